@@ -1,0 +1,89 @@
+"""Shared CLI plumbing: one-line errors with the exit codes of STYLE.md, --json output, progress.
+
+Heavy libraries (torch, transformers, numba) are imported inside commands, never here, so
+``compress --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from typing import Any, Callable, Iterator
+
+import typer
+from rich.console import Console
+
+stderr = Console(stderr=True, highlight=False)
+stdout = Console(highlight=False)
+
+JsonOpt = typer.Option(False, "--json", help="Print exactly one JSON object on stdout.")
+QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress or logs on stderr.")
+OverwriteOpt = typer.Option(False, "--overwrite", help="Replace an existing output folder.")
+RevisionOpt = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) for Hub ids.")
+
+
+def run(fn: Callable[[], Any]) -> Any:
+    """Call ``fn``; turn errors into one line on stderr and the mapped exit code.
+
+    CompressError subclasses carry their exit code (1 runtime, 2 usage/config, 3 verification);
+    anything else is an internal error (exit 1). ``COMPRESS_DEBUG=1`` re-raises with a traceback.
+    """
+    from compress.errors import CompressError
+
+    try:
+        return fn()
+    except CompressError as e:
+        if os.environ.get("COMPRESS_DEBUG") == "1":
+            raise
+        stderr.print(f"[red]error:[/red] {e}", soft_wrap=True)
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        stderr.print("[red]error:[/red] interrupted; no output was written")
+        raise typer.Exit(130) from None
+    except (OSError, MemoryError) as e:
+        if os.environ.get("COMPRESS_DEBUG") == "1":
+            raise
+        stderr.print(f"[red]error:[/red] {type(e).__name__}: {e}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    except Exception as e:  # internal error: still one line unless debugging
+        if os.environ.get("COMPRESS_DEBUG") == "1":
+            raise
+        stderr.print(f"[red]internal error:[/red] {type(e).__name__}: {e} (COMPRESS_DEBUG=1 shows the traceback)",
+                     soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+def emit_json(obj: Any) -> None:
+    """Print one JSON object on stdout (pydantic models are dumped)."""
+    if hasattr(obj, "model_dump"):
+        obj = obj.model_dump(mode="json")
+    sys.stdout.write(json.dumps(obj, indent=None, separators=(",", ":")) + "\n")
+
+
+@contextlib.contextmanager
+def progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """A rich byte-progress bar on stderr, off under --json, --quiet or a non-TTY stderr.
+
+    Yields:
+        ``advance(n_bytes)``.
+    """
+    if not enabled or not stderr.is_terminal:
+        yield lambda n: None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=stderr, transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def human(n: float) -> str:
+    """Bytes as a short human string (decimal units)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"

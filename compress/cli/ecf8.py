@@ -1,0 +1,229 @@
+"""ECF8 commands: encode ecf8, decode, verify, inspect, convert. Parsing and rendering only."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from compress.cli.common import JsonOpt, OverwriteOpt, QuietOpt, RevisionOpt, emit_json, human, progress, run, stderr, stdout
+
+DtypeOpt = typer.Option(None, "--dtype", help="GGUF input: dtype to dequantize to (default bfloat16). "
+                                              "Safetensors input: cast float tensors to it.")
+BackendOpt = typer.Option("auto", "--backend", help="Decoder: auto, cpu (compiled), torch (reference) or triton.")
+
+
+def _size_table(report, title: str) -> Table:
+    table = Table(title=title)
+    for col in ("", "bytes", "% of original"):
+        table.add_column(col, justify="right" if col else "left")
+    table.add_row("original", human(report.original_bytes), "100.00%")
+    table.add_row("encoded (files)", human(report.file_bytes), f"{100 * report.ratio:.2f}%")
+    table.add_row("exponent-entropy bound", human(report.bound_bytes), f"{100 * report.bound_ratio:.2f}%")
+    table.add_row("distance to bound", human(report.file_bytes - report.bound_bytes),
+                  f"{100 * (report.file_bytes / max(report.bound_bytes, 1) - 1):+.2f}% rel.")
+    return table
+
+
+def encode(
+    model: str = typer.Argument(..., help="Checkpoint folder, Hub id, pkg:NAME or .gguf file."),
+    output_dir: Path = typer.Option(..., "--output-dir", "-o", help="Folder to write (must not exist)."),
+    revision: Optional[str] = RevisionOpt,
+    dtype: Optional[str] = DtypeOpt,
+    slice_size: int = typer.Option(2048, "--slice-size", help="Symbols per independently decodable slice."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard, e.g. 5GB."),
+    verify: bool = typer.Option(False, "--verify", help="Decode the result and compare every tensor."),
+    overwrite: bool = OverwriteOpt,
+    json_out: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Losslessly encode every float tensor's exponents (ECF8); prints sizes against the bound."""
+
+    def work():
+        from compress.checkpoint import Checkpoint
+        from compress.transforms.ecf8 import ECF8Config, encode_checkpoint
+
+        try:
+            config = ECF8Config(slice_size=slice_size)
+        except ValueError as e:
+            from compress.errors import ConfigError
+
+            raise ConfigError(f"--slice-size: {e.errors()[0]['msg']}") from None
+        start = time.perf_counter()
+        with Checkpoint.open(model, revision=revision, dtype=dtype) as src:
+            total = sum(i.nbytes for i in src.tensors.values())
+            with progress(total, "encoding", not (quiet or json_out)) as advance:
+                report = encode_checkpoint(src, output_dir, config, max_shard_size=max_shard_size,
+                                           overwrite=overwrite, progress=advance)
+            seconds = time.perf_counter() - start
+            result = {"output": str(output_dir), "seconds": seconds, **report.model_dump(exclude={"tensors"})}
+            if verify:
+                result["verify"] = _verify(src, str(output_dir), "auto", quiet or json_out).model_dump()
+        if json_out:
+            emit_json(result)
+            return result
+        stdout.print(_size_table(report, f"ECF8 {model} -> {output_dir}"))
+        stdout.print(f"{len(report.tensors)} tensors, {seconds:.1f} s, "
+                     f"{report.original_bytes / seconds / 1e6:.0f} MB/s (end to end)")
+        if verify:
+            v = result["verify"]
+            stdout.print(f"verify: {'[green]OK[/green]' if v['ok'] else '[red]FAILED[/red]'} "
+                         f"({v['tensors']} tensors bit-identical)" if v["ok"] else f"verify: [red]FAILED[/red] {v['mismatches']}")
+        return result
+
+    result = run(work)
+    if verify and not result["verify"]["ok"]:
+        raise typer.Exit(3)
+
+
+def _verify(original, encoded_path: str, backend: str, quiet: bool):
+    from compress.errors import FormatError
+    from compress.eval.verify import VerifyReport, verify_checkpoint
+    from compress.formats.ecf8 import EncodedCheckpoint
+
+    try:
+        encoded = EncodedCheckpoint.open(encoded_path)
+    except FormatError as e:
+        return VerifyReport(ok=False, tensors=0, bytes=0, mismatches=[f"cannot read encoded checkpoint: {e}"])
+    total = sum(i.nbytes for i in original.tensors.values())
+    with progress(total, "verifying", not quiet) as advance:
+        return verify_checkpoint(original, encoded, backend=backend, progress=advance)
+
+
+def verify(
+    original: str = typer.Argument(..., help="The original checkpoint (folder, Hub id, pkg:NAME or .gguf)."),
+    encoded: str = typer.Argument(..., help="The encoded checkpoint."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Dtype the original was read at when encoding "
+                                        "(default: the one recorded in the encoded checkpoint)."),
+    revision: Optional[str] = RevisionOpt,
+    backend: str = BackendOpt,
+    json_out: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Decode ENCODED and compare every tensor, the index and the other files with ORIGINAL. Exit 3 on any difference."""
+
+    def work():
+        import json
+
+        from compress.checkpoint import Checkpoint, read_header
+
+        cast = dtype
+        if cast is None:  # the encoder records the dtype it read the original at
+            try:
+                shards = sorted(Path(encoded).glob("*.safetensors"))
+                cast = json.loads(read_header(shards[0])[1].get("compress.source", "{}")).get("dtype") if shards else None
+            except Exception:
+                cast = None
+        with Checkpoint.open(original, revision=revision, dtype=cast) as src:
+            return _verify(src, encoded, backend, quiet or json_out)
+
+    report = run(work)
+    if json_out:
+        emit_json(report)
+    elif report.ok:
+        stdout.print(f"[green]OK[/green]: {report.tensors} tensors ({human(report.bytes)}) bit-identical; index and files match")
+    else:
+        stdout.print(f"[red]FAILED[/red]: {len(report.mismatches)} problem(s)")
+        for line in report.mismatches:
+            stdout.print(f"  {line}", soft_wrap=True)
+    if not report.ok:
+        raise typer.Exit(3)
+
+
+def decode(
+    encoded: str = typer.Argument(..., help="An ecf8 checkpoint (folder or Hub id)."),
+    output_dir: Path = typer.Option(..., "--output-dir", "-o", help="Folder to write (must not exist)."),
+    revision: Optional[str] = RevisionOpt,
+    backend: str = BackendOpt,
+    overwrite: bool = OverwriteOpt,
+    json_out: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Write the original checkpoint back, every tensor bit-identical (checksums checked)."""
+
+    def work():
+        from compress.formats.ecf8 import EncodedCheckpoint, decode_checkpoint
+
+        start = time.perf_counter()
+        enc = EncodedCheckpoint.open(encoded, revision=revision)
+        total = sum(i.nbytes for i in enc.checkpoint.tensors.values())
+        with progress(total, "decoding", not (quiet or json_out)) as advance:
+            result = decode_checkpoint(enc, output_dir, overwrite=overwrite, backend=backend, progress=advance)
+        result["seconds"] = time.perf_counter() - start
+        return result
+
+    result = run(work)
+    if json_out:
+        emit_json(result)
+    else:
+        stdout.print(f"decoded {result['tensors']} tensors ({human(result['bytes'])}) into {result['output']} "
+                     f"in {result['seconds']:.1f} s; checksums OK")
+
+
+def inspect(
+    path: str = typer.Argument(..., help="A checkpoint, encoded or not."),
+    revision: Optional[str] = RevisionOpt,
+    dtype: Optional[str] = DtypeOpt,
+    json_out: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Per tensor: dtype, shape, bytes before/after, exponent entropy, bits/weight, distance to the bound."""
+
+    def work():
+        from compress.eval.size import inspect_checkpoint
+
+        return inspect_checkpoint(path, revision=revision, dtype=dtype)
+
+    report = run(work)
+    if json_out:
+        emit_json({**report.model_dump(), "tensors": [{**t.model_dump(), "bits_per_weight": t.bits_per_weight}
+                                                      for t in report.tensors]})
+        return
+    table = Table(title=f"{path}")
+    for col in ("tensor", "dtype", "shape", "codec", "before", "after", "exp. H", "bits/w", "vs bound"):
+        table.add_column(col, justify="left" if col in ("tensor", "dtype", "codec") else "right")
+    for t in report.tensors:
+        table.add_row(t.name, t.dtype, "x".join(map(str, t.shape)) or "()", t.codec + (f"/{t.symbol}" if t.symbol else ""),
+                      human(t.original_bytes), human(t.stored_bytes),
+                      f"{t.exponent_entropy:.3f}" if t.exponent_entropy is not None else "-",
+                      f"{t.bits_per_weight:.3f}", f"{100 * (t.stored_bytes / max(t.bound_bytes, 1) - 1):+.2f}%")
+    stdout.print(table)
+    stdout.print(_size_table(report, "totals"))
+
+
+def convert(
+    model: str = typer.Argument(..., help="Checkpoint folder, Hub id, pkg:NAME or .gguf file."),
+    output_dir: Path = typer.Option(..., "--output-dir", "-o", help="Folder to write (must not exist)."),
+    dtype: Optional[str] = DtypeOpt,
+    revision: Optional[str] = RevisionOpt,
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard, e.g. 5GB."),
+    overwrite: bool = OverwriteOpt,
+    json_out: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Write any readable checkpoint (GGUF included) as a plain safetensors checkpoint, optionally cast."""
+
+    def work():
+        from compress.checkpoint import Checkpoint, CheckpointWriter
+
+        with Checkpoint.open(model, revision=revision, dtype=dtype) as src:
+            with CheckpointWriter(output_dir, max_shard_size=max_shard_size, overwrite=overwrite,
+                                  inputs=(src.path,)) as writer:
+                total = sum(i.nbytes for i in src.tensors.values())
+                with progress(total, "converting", not (quiet or json_out)) as advance:
+                    for name in src.names():
+                        dt, bits = src.read_array(name)
+                        writer.add({name: (dt, tuple(bits.shape), bits)})
+                        advance(bits.nbytes)
+                writer.copy_files(src.path, list(src.extra_files()))
+                out = writer.commit()
+            return {"output": str(out), "tensors": len(src.tensors)}
+
+    result = run(work)
+    if json_out:
+        emit_json(result)
+    else:
+        stdout.print(f"wrote {result['tensors']} tensors to {result['output']}")

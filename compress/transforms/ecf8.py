@@ -1,0 +1,289 @@
+"""ECF8: lossless entropy coding of float exponents (arXiv 2510.02676, extended to BF16/FP16/FP32).
+
+Per tensor: histogram the exponent field, build one length-limited (<= 16 bits) canonical
+Huffman code by package-merge, code the exponents slice by slice, pack sign+mantissa raw. For
+8-bit floats the whole byte is also tried as the symbol and the smaller wins. Tensors that do
+not shrink, non-float tensors and tiny tensors are stored raw under their own name.
+Format: ``docs/formats/ecf8.md`` (``compress.formats.ecf8``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from compress.formats.ecf8 import LAYOUTS, MAX_CODE_LENGTH, PAD_BYTES, CodedTensor, canonical_codes
+from compress.kernels.ecf8 import slice_offsets
+
+#: leaf names of FP8 scale tensors, always stored raw so FP8 loaders find them untouched
+SCALE_LEAF = re.compile(r"(^|[._])(weight|input|activation|output)?_?scale(_inv)?$")
+
+
+class ECF8Config(BaseModel):
+    """Options of the ``ecf8`` transform.
+
+    Attributes:
+        slice_size: symbols per independently decodable slice (S); metadata is 16 bits per
+            slice, so 16/S bits per weight.
+        lanes: slices interleaved per tile (W), the lanes one GPU program decodes together.
+        min_numel: tensors with fewer values are stored raw.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    slice_size: int = Field(2048, ge=8, le=4095)
+    lanes: int = Field(32, ge=1, le=1024)
+    min_numel: int = Field(1024, ge=0)
+
+    @field_validator("slice_size")
+    @classmethod
+    def _slice_fits(cls, v: int) -> int:
+        if v * MAX_CODE_LENGTH > 65535:
+            raise ValueError("slice_size * 16 must fit in 16 bits (slice_size <= 4095)")
+        return v
+
+
+def code_lengths(freq: np.ndarray, max_length: int = MAX_CODE_LENGTH) -> np.ndarray:
+    """Optimal length-limited prefix code lengths by package-merge (Larmore & Hirschberg 1990).
+
+    Args:
+        freq: ``ndarray[A], int64`` symbol counts.
+        max_length: longest allowed code; needs ``2**max_length >= number of used symbols``.
+
+    Returns:
+        ``ndarray[A], uint8``: code length per symbol, 0 for unused symbols; a lone used
+        symbol gets length 1.
+    """
+    freq = np.asarray(freq, dtype=np.int64)
+    lengths = np.zeros(freq.size, dtype=np.uint8)
+    used = np.flatnonzero(freq)
+    if used.size == 0:
+        return lengths
+    if used.size == 1:
+        lengths[used] = 1
+        return lengths
+    if used.size > (1 << max_length):
+        raise ValueError(f"{used.size} symbols cannot be coded in {max_length} bits")
+    order = used[np.argsort(freq[used], kind="stable")]
+    k = order.size
+    leaf_w = freq[order].astype(np.float64)
+    leaf_v = np.eye(k, dtype=np.int32)  # [k, k]: how often each symbol is in each item
+    w, v = leaf_w, leaf_v
+    for _ in range(max_length - 1):
+        m = (w.size // 2) * 2
+        pw = w[0:m:2] + w[1:m:2]  # packages of adjacent pairs
+        pv = v[0:m:2] + v[1:m:2]
+        w = np.concatenate([leaf_w, pw])
+        v = np.concatenate([leaf_v, pv])
+        idx = np.argsort(w, kind="stable")  # leaves first on ties
+        w, v = w[idx], v[idx]
+    lengths[order] = v[: 2 * k - 2].sum(axis=0)
+    return lengths
+
+
+def _split(dtype: str, symbol: str, k: int = 0):
+    """(shift, mask, alphabet) that cut the symbol out of the value bits."""
+    layout = LAYOUTS[dtype]
+    if symbol == "byte":
+        return 0, 0xFF, 256
+    width = layout.exponent_bits + k
+    return layout.mantissa_bits - k, (1 << width) - 1, 1 << width
+
+
+@dataclass(frozen=True)
+class SymbolStats:
+    """Histogram and code of one symbol choice, with its sizes in bits."""
+
+    symbol: str
+    mantissa_in_symbol: int
+    freq: np.ndarray
+    lengths: np.ndarray
+    coded_bits: int
+    raw_bits: int
+    entropy_bits: float
+
+
+def symbol_stats(dtype: str, bits: np.ndarray, symbol: str, k: int = 0) -> SymbolStats:
+    """Histogram the symbols of ``bits`` (``ndarray[n]`` raw value bits) and size their code.
+
+    ``k`` top mantissa bits join the exponent in the symbol (``symbol="exponent"``).
+    """
+    from compress.kernels.ecf8 import cpu
+
+    shift, mask, alphabet = _split(dtype, symbol, k)
+    freq = cpu.histogram(bits, shift, mask, alphabet)
+    lengths = code_lengths(freq)
+    n = bits.size
+    p = freq[freq > 0] / max(n, 1)
+    entropy = float(-(p * np.log2(p)).sum() * n)
+    raw = 0 if symbol == "byte" else n * (LAYOUTS[dtype].raw_bits - k)
+    return SymbolStats(symbol, k, freq, lengths, int((freq * lengths).sum()), raw, entropy)
+
+
+def encode_array(dtype: str, bits: np.ndarray, config: ECF8Config = ECF8Config()) -> CodedTensor | None:
+    """Encode one float tensor's value bits.
+
+    Args:
+        dtype: safetensors dtype string, a key of ``LAYOUTS`` (F32, BF16, F16, F8_E4M3, F8_E5M2).
+        bits: ``ndarray[...]`` of the raw value bits (``uint32``/``uint16``/``uint8``), any shape.
+        config: slicing options.
+
+    Returns:
+        The :class:`CodedTensor`, or None when coding would not make the tensor smaller
+        (the caller stores it raw).
+    """
+    from compress.kernels.ecf8 import cpu
+
+    shape = tuple(bits.shape)
+    flat = np.ascontiguousarray(bits).reshape(-1)
+    n = flat.size
+    if n < max(config.min_numel, 1):
+        return None
+    layout = LAYOUTS[dtype]
+    choices = [symbol_stats(dtype, flat, "exponent", k) for k in range(min(layout.mantissa_bits, 2) + 1)]
+    if layout.bits == 8:
+        choices.append(symbol_stats(dtype, flat, "byte"))
+    best = min(choices, key=lambda c: c.coded_bits + c.raw_bits)
+    S, W = config.slice_size, config.lanes
+    n_tiles = -(-n // (S * W))
+    overhead = 8 * (n_tiles * W * 2 + best.lengths.size + 2 * PAD_BYTES + n_tiles)
+    if best.coded_bits + best.raw_bits + overhead >= n * layout.bits:
+        return None
+    shift, mask, _ = _split(dtype, best.symbol, best.mantissa_in_symbol)
+    slice_bits = cpu.slice_lengths(flat, shift, mask, best.lengths, S, W)
+    starts, total = slice_offsets(slice_bits, W)
+    codes = np.zeros(total + PAD_BYTES + (-(total + PAD_BYTES) % 8), dtype=np.uint8)
+    cpu.encode_slices(flat, shift, mask, canonical_codes(best.lengths), best.lengths, S, W, starts, codes)
+    if best.symbol == "byte":
+        raw = np.zeros(0, np.uint8)
+    else:
+        R = layout.raw_bits - best.mantissa_in_symbol
+        size = -(-n * R // 8) + PAD_BYTES
+        raw = np.zeros(size + (-size % 8), dtype=np.uint8)
+        cpu.pack_raw(flat, layout.bits, R - 1, R, raw)
+    return CodedTensor(dtype, shape, best.symbol, best.mantissa_in_symbol, S, W, codes, raw, best.lengths, slice_bits)
+
+
+def exponent_entropy(dtype: str, bits: np.ndarray) -> float:
+    """Shannon entropy of the exponent field in bits per value (``bits``: ndarray of value bits)."""
+    return symbol_stats(dtype, np.ascontiguousarray(bits).reshape(-1), "exponent").entropy_bits / max(bits.size, 1)
+
+
+def entropy_bound_bytes(dtype: str, numel: int, entropy: float) -> float:
+    """Bytes of the per-tensor bound: exponent at its entropy, sign and mantissa raw."""
+    return numel * (entropy + LAYOUTS[dtype].raw_bits) / 8
+
+
+class TensorReport(BaseModel):
+    """One tensor of an encode or inspect report. Sizes in bytes, entropy in bits per value."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    codec: str
+    symbol: str | None = None
+    original_bytes: int
+    stored_bytes: int
+    exponent_entropy: float | None = None
+    bound_bytes: float
+
+    @property
+    def bits_per_weight(self) -> float:
+        numel = max(int(np.prod(self.shape)) if self.shape else 1, 1)
+        return 8 * self.stored_bytes / numel
+
+
+class SizeReport(BaseModel):
+    """Totals over a checkpoint: sizes in bytes, ``ratio`` = stored/original."""
+
+    tensors: list[TensorReport]
+    original_bytes: int
+    stored_bytes: int
+    file_bytes: int
+    bound_bytes: float
+    ratio: float
+    bound_ratio: float
+
+
+def size_report(tensors: list[TensorReport], file_bytes: int) -> SizeReport:
+    """Sum per-tensor reports; ``file_bytes`` is what the checkpoint's weight files take on disk."""
+    original = sum(t.original_bytes for t in tensors)
+    bound = sum(t.bound_bytes for t in tensors)
+    stored = sum(t.stored_bytes for t in tensors)
+    return SizeReport(tensors=tensors, original_bytes=original, stored_bytes=stored, file_bytes=file_bytes,
+                      bound_bytes=bound, ratio=file_bytes / max(original, 1), bound_ratio=bound / max(original, 1))
+
+
+def encode_checkpoint(source, output_dir, config: ECF8Config = ECF8Config(), *, max_shard_size: str | int = "5GB",
+                      overwrite: bool = False, progress=None) -> SizeReport:
+    """Encode every tensor of a checkpoint with ECF8 and write the ``ecf8`` format.
+
+    Streams tensor by tensor: peak memory is one tensor plus its coded parts.
+
+    Args:
+        source: an open :class:`compress.checkpoint.Checkpoint`.
+        output_dir: the folder to create (atomically).
+        config: :class:`ECF8Config`.
+        max_shard_size: shard size limit of the output.
+        overwrite: replace an existing output folder.
+        progress: optional ``callable(bytes_done)`` called after each tensor.
+
+    Returns:
+        :class:`SizeReport` of the written checkpoint (``file_bytes`` = its shard files).
+
+    Raises:
+        ConfigError: output exists or is inside the input. FormatError: unreadable input.
+    """
+    import json
+    from pathlib import Path
+
+    from compress import __version__
+    from compress.checkpoint import CheckpointWriter
+    from compress.formats.ecf8 import FORMAT_NAME, FORMAT_VERSION, checksum, parts_checksum
+
+    meta = {"compress.format": FORMAT_NAME, "compress.format_version": str(FORMAT_VERSION),
+            "compress.version": __version__,
+            "compress.source": json.dumps({"source": source.source, "dtype": source.cast}),
+            "compress.recipe": json.dumps([{"ecf8": config.model_dump()}])}
+    reports: list[TensorReport] = []
+    with CheckpointWriter(output_dir, max_shard_size=max_shard_size, overwrite=overwrite,
+                          inputs=(source.path,), shard_metadata=meta) as writer:
+        for name in source.names():
+            info = source.info(name)
+            dtype, bits = source.read_array(name)
+            record = {"dtype": dtype, "shape": list(bits.shape), "shard": info.shard, "xxh3_128": checksum(bits)}
+            coded = None
+            entropy = None
+            leaf = name.rsplit(".", 1)[-1]
+            if dtype in LAYOUTS and not SCALE_LEAF.search(leaf):
+                entropy = exponent_entropy(dtype, bits)
+                coded = encode_array(dtype, bits, config)
+            if coded is None:
+                record["codec"] = "raw"
+                writer.add({name: (dtype, tuple(bits.shape), bits)}, {name: record})
+                stored = bits.nbytes
+            else:
+                parts = coded.parts(name)
+                record.update(coded.record(), exponent_entropy=entropy,
+                              parts_xxh3_128=parts_checksum([data for _, _, data in parts.values()]))
+                writer.add(parts, {name: record})
+                stored = coded.nbytes
+            bound = entropy_bound_bytes(dtype, bits.size, entropy) if entropy is not None else bits.nbytes
+            reports.append(TensorReport(name=name, dtype=dtype, shape=list(bits.shape), codec=record["codec"],
+                                        symbol=coded.symbol if coded else None, original_bytes=bits.nbytes,
+                                        stored_bytes=stored, exponent_entropy=entropy, bound_bytes=bound))
+            del bits, coded
+            if progress:
+                progress(info.nbytes)
+        config_json = source.config()
+        if config_json:
+            original_q = config_json.get("quantization_config")
+            config_json["quantization_config"] = {"quant_method": FORMAT_NAME, "format_version": FORMAT_VERSION,
+                                                  "original_quantization_config": original_q}
+            writer.write_text("config.json", json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+        writer.copy_files(source.path, list(source.extra_files()), skip={"config.json"})
+        out = writer.commit()
+    files = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
+    return size_report(reports, files)

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 stderr = Console(stderr=True, highlight=False)
-stdout = Console(highlight=False)
+stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 JsonOpt = typer.Option(False, "--json", help="Print exactly one JSON object on stdout.")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress or logs on stderr.")

@@ -204,23 +204,19 @@ def convert(
     json_out: bool = JsonOpt,
     quiet: bool = QuietOpt,
 ) -> None:
-    """Write any readable checkpoint (GGUF included) as a plain safetensors checkpoint, optionally cast."""
+    """Write any readable checkpoint (GGUF included) as plain safetensors, optionally cast
+    (float8_e4m3fn: per-tensor scales stored as <name>_scale_inv)."""
 
     def work():
-        from compress.checkpoint import Checkpoint, CheckpointWriter
+        from compress.checkpoint import Checkpoint, dtype_name
+        from compress.transforms.cast import convert_checkpoint
 
-        with Checkpoint.open(model, revision=revision, dtype=dtype) as src:
-            with CheckpointWriter(output_dir, max_shard_size=max_shard_size, overwrite=overwrite,
-                                  inputs=(src.path,)) as writer:
-                total = sum(i.nbytes for i in src.tensors.values())
-                with progress(total, "converting", not (quiet or json_out)) as advance:
-                    for name in src.names():
-                        dt, bits = src.read_array(name)
-                        writer.add({name: (dt, tuple(bits.shape), bits)})
-                        advance(bits.nbytes)
-                writer.copy_files(src.path, list(src.extra_files()))
-                out = writer.commit()
-            return {"output": str(out), "tensors": len(src.tensors)}
+        fp8 = dtype is not None and dtype_name(dtype) == "F8_E4M3"
+        with Checkpoint.open(model, revision=revision, dtype=None if fp8 else dtype) as src:
+            total = sum(i.nbytes for i in src.tensors.values())
+            with progress(total, "converting", not (quiet or json_out)) as advance:
+                return convert_checkpoint(src, output_dir, fp8=fp8, max_shard_size=max_shard_size,
+                                          overwrite=overwrite, progress=advance)
 
     result = run(work)
     if json_out:

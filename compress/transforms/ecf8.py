@@ -122,24 +122,25 @@ def symbol_stats(dtype: str, bits: np.ndarray, symbol: str, k: int = 0) -> Symbo
     return SymbolStats(symbol, k, freq, lengths, int((freq * lengths).sum()), raw, entropy)
 
 
-def encode_array(dtype: str, bits: np.ndarray, config: ECF8Config = ECF8Config()) -> CodedTensor | None:
+def encode_array(dtype: str, bits: np.ndarray, config: ECF8Config = ECF8Config(), force: bool = False) -> CodedTensor | None:
     """Encode one float tensor's value bits.
 
     Args:
         dtype: safetensors dtype string, a key of ``LAYOUTS`` (F32, BF16, F16, F8_E4M3, F8_E5M2).
         bits: ``ndarray[...]`` of the raw value bits (``uint32``/``uint16``/``uint8``), any shape.
         config: slicing options.
+        force: code it even when that does not make it smaller (for tests of the codec).
 
     Returns:
-        The :class:`CodedTensor`, or None when coding would not make the tensor smaller
-        (the caller stores it raw).
+        The :class:`CodedTensor`, or None when coding would not make the tensor smaller or it
+        has fewer than ``config.min_numel`` values (the caller stores it raw).
     """
     from compress.kernels.ecf8 import cpu
 
     shape = tuple(bits.shape)
     flat = np.ascontiguousarray(bits).reshape(-1)
     n = flat.size
-    if n < max(config.min_numel, 1):
+    if n == 0 or (n < config.min_numel and not force):
         return None
     layout = LAYOUTS[dtype]
     choices = [symbol_stats(dtype, flat, "exponent", k) for k in range(min(layout.mantissa_bits, 2) + 1)]
@@ -149,7 +150,7 @@ def encode_array(dtype: str, bits: np.ndarray, config: ECF8Config = ECF8Config()
     S, W = config.slice_size, config.lanes
     n_tiles = -(-n // (S * W))
     overhead = 8 * (n_tiles * W * 2 + best.lengths.size + 2 * PAD_BYTES + n_tiles)
-    if best.coded_bits + best.raw_bits + overhead >= n * layout.bits:
+    if best.coded_bits + best.raw_bits + overhead >= n * layout.bits and not force:
         return None
     shift, mask, _ = _split(dtype, best.symbol, best.mantissa_in_symbol)
     slice_bits = cpu.slice_lengths(flat, shift, mask, best.lengths, S, W)
@@ -260,13 +261,15 @@ def encode_checkpoint(source, output_dir, config: ECF8Config = ECF8Config(), *, 
             if dtype in LAYOUTS and not SCALE_LEAF.search(leaf):
                 entropy = exponent_entropy(dtype, bits)
                 coded = encode_array(dtype, bits, config)
+            if entropy is not None:
+                record["exponent_entropy"] = entropy
             if coded is None:
                 record["codec"] = "raw"
                 writer.add({name: (dtype, tuple(bits.shape), bits)}, {name: record})
                 stored = bits.nbytes
             else:
                 parts = coded.parts(name)
-                record.update(coded.record(), exponent_entropy=entropy,
+                record.update(coded.record(),
                               parts_xxh3_128=parts_checksum([data for _, _, data in parts.values()]))
                 writer.add(parts, {name: record})
                 stored = coded.nbytes

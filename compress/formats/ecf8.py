@@ -24,7 +24,7 @@ from compress.errors import FormatError
 FORMAT_NAME = "ecf8"
 FORMAT_VERSION = 1
 MAX_CODE_LENGTH = 16
-PAD_BYTES = 4  # every stream ends with >= 4 zero bytes so decoders may over-read
+PAD_BYTES = 8  # every stream ends with >= 8 zero bytes so decoders may read ahead
 
 # Tensor name suffixes (the original leaf is kept: ``q_proj.weight`` -> ``q_proj.weight_ecf8_codes``)
 CODES, SIGN_MANTISSA, CODEBOOK, SLICE_BITS = "_ecf8_codes", "_ecf8_sign_mantissa", "_ecf8_codebook", "_ecf8_slice_bits"
@@ -196,15 +196,13 @@ def canonical_codes(lengths: np.ndarray) -> np.ndarray:
     lengths = np.asarray(lengths, dtype=np.int64)
     codes = np.zeros(lengths.size, dtype=np.uint32)
     order = np.lexsort((np.arange(lengths.size), lengths))
-    code, prev = 0, 0
-    for s in order:
-        length = int(lengths[s])
-        if length == 0:
-            continue
-        code <<= length - prev
-        codes[s] = code
-        code += 1
-        prev = length
+    order = order[lengths[order] > 0]  # used symbols by (length, symbol)
+    if order.size == 0:
+        return codes
+    ln = lengths[order]
+    # code[j] = (code[j-1] + 1) << (ln[j] - ln[j-1]): in closed form, the Kraft partial sums
+    kraft = np.concatenate([[0], np.cumsum(np.ldexp(1.0, -ln[:-1]) * 2.0**16)]).astype(np.int64)  # in units of 2^-16
+    codes[order] = (kraft >> (16 - ln)).astype(np.uint32)
     return codes
 
 

@@ -94,35 +94,64 @@ def _split(dtype: str, symbol: str, k: int = 0):
 
 @dataclass(frozen=True)
 class SymbolStats:
-    """Histogram and code of one symbol choice, with its sizes in bits."""
+    """One symbol choice for a tensor: histogram, code lengths and sizes in bits.
+
+    Attributes:
+        symbol: ``"exponent"`` or ``"byte"``.
+        mantissa_in_symbol: k top mantissa bits coded with the exponent.
+        freq: ``ndarray[2**symbol_bits], int64`` symbol counts.
+        raw_bits: bits stored raw for the whole tensor.
+        entropy_bits: Shannon entropy of the symbols, in bits for the whole tensor.
+    """
 
     symbol: str
     mantissa_in_symbol: int
     freq: np.ndarray
-    lengths: np.ndarray
-    coded_bits: int
     raw_bits: int
     entropy_bits: float
 
 
-def symbol_stats(dtype: str, bits: np.ndarray, symbol: str, k: int = 0) -> SymbolStats:
-    """Histogram the symbols of ``bits`` (``ndarray[n]`` raw value bits) and size their code.
+def _entropy(freq: np.ndarray) -> float:
+    n = freq.sum()
+    p = freq[freq > 0] / max(n, 1)
+    return float(-(p * np.log2(p)).sum() * n)
 
-    ``k`` top mantissa bits join the exponent in the symbol (``symbol="exponent"``).
+
+def symbol_choices(dtype: str, flat: np.ndarray) -> list[SymbolStats]:
+    """Every symbol choice for one tensor, from a single histogram pass.
+
+    The finest symbol (exponent + 2 mantissa bits, or the whole value for 8-bit floats) is
+    histogrammed once; coarser symbols are sums of its bins. Index 0 is always the plain
+    exponent (k = 0), whose entropy is the bound ECF8 is measured against.
+
+    Args:
+        dtype: a key of ``LAYOUTS``.
+        flat: ``ndarray[n]`` raw value bits.
     """
     from compress.kernels.ecf8 import cpu
 
-    shift, mask, alphabet = _split(dtype, symbol, k)
-    freq = cpu.histogram(bits, shift, mask, alphabet)
-    lengths = code_lengths(freq)
-    n = bits.size
-    p = freq[freq > 0] / max(n, 1)
-    entropy = float(-(p * np.log2(p)).sum() * n)
-    raw = 0 if symbol == "byte" else n * (LAYOUTS[dtype].raw_bits - k)
-    return SymbolStats(symbol, k, freq, lengths, int((freq * lengths).sum()), raw, entropy)
+    layout = LAYOUTS[dtype]
+    n = flat.size
+    E, M = layout.exponent_bits, layout.mantissa_bits
+    kmax = min(M, 2)
+    if layout.bits == 8:
+        whole = cpu.histogram(flat, 0, 0xFF, 256)
+        values = np.arange(256)
+        fine = np.bincount((values >> (M - kmax)) & ((1 << (E + kmax)) - 1), weights=whole,
+                           minlength=1 << (E + kmax)).astype(np.int64)
+    else:
+        fine = cpu.histogram(flat, M - kmax, (1 << (E + kmax)) - 1, 1 << (E + kmax))
+    out = []
+    for k in range(kmax + 1):
+        freq = fine.reshape(-1, 1 << (kmax - k)).sum(axis=1)
+        out.append(SymbolStats("exponent", k, freq, n * (layout.raw_bits - k), _entropy(freq)))
+    if layout.bits == 8:
+        out.append(SymbolStats("byte", 0, whole, 0, _entropy(whole)))
+    return out
 
 
-def encode_array(dtype: str, bits: np.ndarray, config: ECF8Config = ECF8Config(), force: bool = False) -> CodedTensor | None:
+def encode_array(dtype: str, bits: np.ndarray, config: ECF8Config = ECF8Config(), force: bool = False,
+                 choices: list[SymbolStats] | None = None) -> CodedTensor | None:
     """Encode one float tensor's value bits.
 
     Args:
@@ -130,6 +159,7 @@ def encode_array(dtype: str, bits: np.ndarray, config: ECF8Config = ECF8Config()
         bits: ``ndarray[...]`` of the raw value bits (``uint32``/``uint16``/``uint8``), any shape.
         config: slicing options.
         force: code it even when that does not make it smaller (for tests of the codec).
+        choices: :func:`symbol_choices` of ``bits`` if already computed.
 
     Returns:
         The :class:`CodedTensor`, or None when coding would not make the tensor smaller or it
@@ -143,20 +173,20 @@ def encode_array(dtype: str, bits: np.ndarray, config: ECF8Config = ECF8Config()
     if n == 0 or (n < config.min_numel and not force):
         return None
     layout = LAYOUTS[dtype]
-    choices = [symbol_stats(dtype, flat, "exponent", k) for k in range(min(layout.mantissa_bits, 2) + 1)]
-    if layout.bits == 8:
-        choices.append(symbol_stats(dtype, flat, "byte"))
-    best = min(choices, key=lambda c: c.coded_bits + c.raw_bits)
+    choices = choices or symbol_choices(dtype, flat)
+    best = min(choices, key=lambda c: c.entropy_bits + c.raw_bits)  # Huffman is within 1 bit/symbol of this
+    lengths = code_lengths(best.freq)
+    coded_bits = int((best.freq * lengths).sum())
     S, W = config.slice_size, config.lanes
     n_tiles = -(-n // (S * W))
-    overhead = 8 * (n_tiles * W * 2 + best.lengths.size + 2 * PAD_BYTES + n_tiles)
-    if best.coded_bits + best.raw_bits + overhead >= n * layout.bits and not force:
+    overhead = 8 * (n_tiles * W * 2 + lengths.size + 2 * PAD_BYTES + n_tiles)
+    if coded_bits + best.raw_bits + overhead >= n * layout.bits and not force:
         return None
     shift, mask, _ = _split(dtype, best.symbol, best.mantissa_in_symbol)
-    slice_bits = cpu.slice_lengths(flat, shift, mask, best.lengths, S, W)
+    slice_bits = cpu.slice_lengths(flat, shift, mask, lengths, S, W)
     starts, total = slice_offsets(slice_bits, W)
     codes = np.zeros(total + PAD_BYTES + (-(total + PAD_BYTES) % 8), dtype=np.uint8)
-    cpu.encode_slices(flat, shift, mask, canonical_codes(best.lengths), best.lengths, S, W, starts, codes)
+    cpu.encode_slices(flat, shift, mask, canonical_codes(lengths), lengths, S, W, starts, codes)
     if best.symbol == "byte":
         raw = np.zeros(0, np.uint8)
     else:
@@ -164,12 +194,12 @@ def encode_array(dtype: str, bits: np.ndarray, config: ECF8Config = ECF8Config()
         size = -(-n * R // 8) + PAD_BYTES
         raw = np.zeros(size + (-size % 8), dtype=np.uint8)
         cpu.pack_raw(flat, layout.bits, R - 1, R, raw)
-    return CodedTensor(dtype, shape, best.symbol, best.mantissa_in_symbol, S, W, codes, raw, best.lengths, slice_bits)
+    return CodedTensor(dtype, shape, best.symbol, best.mantissa_in_symbol, S, W, codes, raw, lengths, slice_bits)
 
 
 def exponent_entropy(dtype: str, bits: np.ndarray) -> float:
     """Shannon entropy of the exponent field in bits per value (``bits``: ndarray of value bits)."""
-    return symbol_stats(dtype, np.ascontiguousarray(bits).reshape(-1), "exponent").entropy_bits / max(bits.size, 1)
+    return symbol_choices(dtype, np.ascontiguousarray(bits).reshape(-1))[0].entropy_bits / max(bits.size, 1)
 
 
 def entropy_bound_bytes(dtype: str, numel: int, entropy: float) -> float:
@@ -259,8 +289,9 @@ def encode_checkpoint(source, output_dir, config: ECF8Config = ECF8Config(), *, 
             entropy = None
             leaf = name.rsplit(".", 1)[-1]
             if dtype in LAYOUTS and not SCALE_LEAF.search(leaf):
-                entropy = exponent_entropy(dtype, bits)
-                coded = encode_array(dtype, bits, config)
+                choices = symbol_choices(dtype, bits.reshape(-1))
+                entropy = choices[0].entropy_bits / max(bits.size, 1)
+                coded = encode_array(dtype, bits, config, choices=choices)
             if entropy is not None:
                 record["exponent_entropy"] = entropy
             if coded is None:

@@ -100,38 +100,51 @@ def pack_raw(bits, total_bits, mantissa_bits, raw_bits, out):
 
 @njit(cache=True, nogil=True, parallel=True)
 def _decode(codes, raw, slice_start, lut, numel, slice_size, lanes, bits, mantissa_bits, raw_bits, out):
+    # One independent slice per parallel iteration; a 64-bit bit buffer per slice so each
+    # coded byte is loaded once (the reference re-reads three bytes per symbol).
     tile = slice_size * lanes
-    n_tiles = slice_start.size // lanes
+    n_slices = slice_start.size
     mmask = (np.int64(1) << mantissa_bits) - 1
     rmask = (np.int64(1) << raw_bits) - 1
-    for t in prange(n_tiles):
-        base = t * tile
-        for l in range(lanes):
-            pos = slice_start[t * lanes + l]
-            for i in range(slice_size):
-                e = base + i * lanes + l
-                if e >= numel:
-                    break
-                b = pos >> 3
-                w = ((np.int64(codes[b]) << 16) | (np.int64(codes[b + 1]) << 8) | np.int64(codes[b + 2]))
-                w = (w >> (8 - (pos & 7))) & 0xFFFF
-                ent = np.int64(lut[w >> 8])
-                if ent < 0:
-                    ent = np.int64(lut[(-ent) * 256 + (w & 0xFF)])
-                sym = ent & 0xFFFF
-                pos += ent >> 16
-                if raw_bits == 0:
-                    out[e] = sym
+    for s in prange(n_slices):
+        t = s // lanes
+        l = s - t * lanes
+        base = t * tile + l
+        pos = slice_start[s]
+        byte = pos >> 3
+        acc = np.int64(codes[byte])
+        byte += 1
+        nb = np.int64(8 - (pos & 7))  # valid bits in the low end of acc
+        for i in range(slice_size):
+            e = base + i * lanes
+            if e >= numel:
+                break
+            while nb <= 48:
+                acc = (acc << 8) | np.int64(codes[byte])
+                byte += 1
+                nb += 8
+            w = (acc >> (nb - 16)) & 0xFFFF
+            ent = np.int64(lut[w >> 8])
+            if ent < 0:
+                ent = np.int64(lut[(-ent) * 256 + (w & 0xFF)])
+            sym = ent & 0xFFFF
+            nb -= ent >> 16
+            if raw_bits == 0:
+                out[e] = sym
+            else:
+                if raw_bits == 8:
+                    r = np.int64(raw[e])
                 else:
-                    if raw_bits == 8:
-                        r = np.int64(raw[e])
+                    rp = e * raw_bits
+                    rb = rp >> 3
+                    if raw_bits + (rp & 7) <= 16:
+                        x = (np.int64(raw[rb]) << 8) | np.int64(raw[rb + 1])
+                        r = (x >> (16 - raw_bits - (rp & 7))) & rmask
                     else:
-                        rp = e * raw_bits
-                        rb = rp >> 3
                         x = ((np.int64(raw[rb]) << 24) | (np.int64(raw[rb + 1]) << 16)
                              | (np.int64(raw[rb + 2]) << 8) | np.int64(raw[rb + 3]))
                         r = (x >> (32 - raw_bits - (rp & 7))) & rmask
-                    out[e] = ((r >> mantissa_bits) << (bits - 1)) | (sym << mantissa_bits) | (r & mmask)
+                out[e] = ((r >> mantissa_bits) << (bits - 1)) | (sym << mantissa_bits) | (r & mmask)
 
 
 def decode_slices(codes, sign_mantissa, slice_start, lut, *, numel, slice_size, lanes, bits, mantissa_bits, raw_bits):

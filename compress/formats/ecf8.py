@@ -222,21 +222,28 @@ def decode_table(lengths: np.ndarray) -> np.ndarray:
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     codes = canonical_codes(lengths).astype(np.int64)
-    sub: dict[int, int] = {}
-    for s in np.flatnonzero(lengths > 8):
-        sub.setdefault(int(codes[s] >> (lengths[s] - 8)), len(sub) + 1)
-    table = np.zeros(256 * (1 + len(sub)), dtype=np.int32)
-    for s in np.flatnonzero(lengths):
-        length, code = int(lengths[s]), int(codes[s])
-        if length <= 8:
-            lo = code << (8 - length)
-            table[lo: lo + (1 << (8 - length))] = (length << 16) | int(s)
-        else:
-            block = sub[code >> (length - 8)]
-            table[code >> (length - 8)] = -block
-            lo = block * 256 + ((code & ((1 << (length - 8)) - 1)) << (16 - length))
-            table[lo: lo + (1 << (16 - length))] = (length << 16) | int(s)
-    return table
+    order = np.lexsort((np.arange(lengths.size), lengths))
+    order = order[lengths[order] > 0]
+    ln = lengths[order]
+    start = codes[order] << (16 - ln)  # each code owns [start, start + 2**(16-len)) of 16-bit windows, ascending
+    end = start + (1 << (16 - ln))
+    entry = (ln << 16) | order  # (length << 16) | symbol
+
+    def lookup(windows):
+        idx = np.clip(np.searchsorted(start, windows, side="right") - 1, 0, None)
+        hit = (idx < start.size) & (windows < end[np.minimum(idx, start.size - 1)]) if start.size else np.zeros(windows.shape, bool)
+        return np.where(hit, entry[np.minimum(idx, max(start.size - 1, 0))] if start.size else 0, 0)
+
+    first = lookup(np.arange(256, dtype=np.int64) << 8)
+    long_prefix = (first >> 16) > 8  # windows whose code is longer than 8 bits
+    prefixes = np.flatnonzero(long_prefix)
+    table = np.zeros(256 * (1 + prefixes.size), dtype=np.int64)
+    table[:256] = first
+    table[prefixes] = -np.arange(1, prefixes.size + 1)
+    if prefixes.size:
+        windows = (prefixes[:, None] << 8) | np.arange(256)[None, :]  # [n_sub, 256]
+        table[256:] = lookup(windows.reshape(-1))
+    return table.astype(np.int32)
 
 
 def decode(ct: CodedTensor, backend: str = "auto", device: str | None = None):

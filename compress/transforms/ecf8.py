@@ -46,7 +46,10 @@ class ECF8Config(BaseModel):
 
 
 def code_lengths(freq: np.ndarray, max_length: int = MAX_CODE_LENGTH) -> np.ndarray:
-    """Optimal length-limited prefix code lengths by package-merge (Larmore & Hirschberg 1990).
+    """Optimal length-limited prefix code lengths.
+
+    Plain Huffman (compiled) when its longest code fits in ``max_length``; otherwise
+    package-merge (Larmore & Hirschberg 1990), optimal under the cap.
 
     Args:
         freq: ``ndarray[A], int64`` symbol counts.
@@ -64,23 +67,14 @@ def code_lengths(freq: np.ndarray, max_length: int = MAX_CODE_LENGTH) -> np.ndar
     if used.size == 1:
         lengths[used] = 1
         return lengths
+    from compress.kernels.ecf8 import cpu
+
+    unbounded = cpu.huffman_lengths(freq)
+    if unbounded.max() <= max_length:
+        return unbounded.astype(np.uint8)
     if used.size > (1 << max_length):
         raise ValueError(f"{used.size} symbols cannot be coded in {max_length} bits")
-    order = used[np.argsort(freq[used], kind="stable")]
-    k = order.size
-    leaf_w = freq[order].astype(np.float64)
-    leaf_v = np.eye(k, dtype=np.int32)  # [k, k]: how often each symbol is in each item
-    w, v = leaf_w, leaf_v
-    for _ in range(max_length - 1):
-        m = (w.size // 2) * 2
-        pw = w[0:m:2] + w[1:m:2]  # packages of adjacent pairs
-        pv = v[0:m:2] + v[1:m:2]
-        w = np.concatenate([leaf_w, pw])
-        v = np.concatenate([leaf_v, pv])
-        idx = np.argsort(w, kind="stable")  # leaves first on ties
-        w, v = w[idx], v[idx]
-    lengths[order] = v[: 2 * k - 2].sum(axis=0)
-    return lengths
+    return cpu.package_merge_lengths(freq, max_length).astype(np.uint8)
 
 
 def _split(dtype: str, symbol: str, k: int = 0):

@@ -7,7 +7,7 @@ encoder.
 A float of ``T`` bits with ``E`` exponent and ``M`` mantissa bits is split into a *symbol*
 (its exponent field, or in ``byte`` mode the whole 8-bit value) and a *raw field* of
 ``R = 1 + M`` bits (sign, then mantissa). Symbols are coded with one canonical Huffman code per
-tensor (lengths <= 16 bits, decoded with at most two lookups in 256-entry tables); the coded
+tensor (lengths <= 15 bits, decoded with at most two lookups in 256-entry tables); the coded
 stream is cut into slices of ``slice_size`` symbols, ``lanes`` slices interleaved per tile so
 that lane ``l`` of tile ``t`` holds elements ``t*lanes*slice_size + i*lanes + l``.
 """
@@ -23,7 +23,7 @@ from compress.errors import FormatError
 
 FORMAT_NAME = "ecf8"
 FORMAT_VERSION = 1
-MAX_CODE_LENGTH = 16
+MAX_CODE_LENGTH = 15  # code lengths fit a nibble in the stored codebook
 PAD_BYTES = 8  # every stream ends with >= 8 zero bytes so decoders may read ahead
 
 # Tensor name suffixes (the original leaf is kept: ``q_proj.weight`` -> ``q_proj.weight_ecf8_codes``)
@@ -79,7 +79,7 @@ class CodedTensor:
         sign_mantissa: ``ndarray[ceil(n*R/8)+pad], uint8``: raw fields packed MSB-first, or
             empty in ``byte`` mode.
         codebook: ``ndarray[2**symbol_bits], uint8``: canonical Huffman code length per symbol
-            (0 = absent).
+            (0 = absent), unpacked; stored packed (:func:`pack_codebook`).
         slice_bits: ``ndarray[n_tiles*lanes], uint16``: coded bits of each slice.
     """
 
@@ -116,7 +116,7 @@ class CodedTensor:
     @property
     def nbytes(self) -> int:
         """Stored bytes of all four parts."""
-        return self.codes.nbytes + self.sign_mantissa.nbytes + self.codebook.nbytes + self.slice_bits.nbytes
+        return self.codes.nbytes + self.sign_mantissa.nbytes + pack_codebook(self.codebook).nbytes + self.slice_bits.nbytes
 
     def record(self) -> dict[str, Any]:
         """The JSON record stored in the shard metadata (checksum added by the caller)."""
@@ -128,7 +128,8 @@ class CodedTensor:
         out = {name + CODES: ("U8", (self.codes.size,), self.codes)}
         if self.symbol != "byte":
             out[name + SIGN_MANTISSA] = ("U8", (self.sign_mantissa.size,), self.sign_mantissa)
-        out[name + CODEBOOK] = ("U8", (self.codebook.size,), self.codebook)
+        book = pack_codebook(self.codebook)
+        out[name + CODEBOOK] = ("U8", (book.size,), book)
         out[name + SLICE_BITS] = ("I16", (self.slice_bits.size,), self.slice_bits.view(np.int16))
         return out
 
@@ -155,8 +156,10 @@ class CodedTensor:
         if missing:
             raise FormatError(f"tensor {name!r}: missing parts {missing}")
         empty = np.zeros(0, np.uint8)
+        bits = LAYOUTS[dtype].bits if symbol == "byte" else LAYOUTS[dtype].exponent_bits + k
+        lengths = unpack_codebook(parts[name + CODEBOOK].view(np.uint8), 1 << bits, name)
         ct = cls(dtype, shape, symbol, k, slice_size, lanes, parts[name + CODES].view(np.uint8),
-                 parts.get(name + SIGN_MANTISSA, empty).view(np.uint8), parts[name + CODEBOOK].view(np.uint8),
+                 parts.get(name + SIGN_MANTISSA, empty).view(np.uint8), lengths,
                  parts[name + SLICE_BITS].view(np.uint16))
         ct.validate(name)
         return ct
@@ -171,7 +174,8 @@ class CodedTensor:
         n_tiles = -(-n // (S * W))
         alphabet = 1 << self.symbol_bits
         if self.codebook.size != alphabet or int(self.codebook.max(initial=0)) > MAX_CODE_LENGTH:
-            raise FormatError(f"tensor {name!r}: codebook has {self.codebook.size} entries, expected {alphabet} lengths <= 16")
+            raise FormatError(f"tensor {name!r}: codebook has {self.codebook.size} entries, expected {alphabet} "
+                              f"lengths <= {MAX_CODE_LENGTH}")
         kraft = np.sum(np.ldexp(1.0, -self.codebook[self.codebook > 0].astype(np.int64)))
         if n and (kraft > 1.0 or not np.any(self.codebook)):
             raise FormatError(f"tensor {name!r}: codebook is not a prefix code (Kraft sum {kraft})")
@@ -182,6 +186,40 @@ class CodedTensor:
             raise FormatError(f"tensor {name!r}: coded stream has {self.codes.size} bytes, slices need {int(tile_bytes.sum()) + PAD_BYTES}")
         if self.raw_bits and self.sign_mantissa.size < -(-n * self.raw_bits // 8) + PAD_BYTES:
             raise FormatError(f"tensor {name!r}: sign/mantissa stream too short for {n} values")
+
+
+def pack_codebook(lengths: np.ndarray) -> np.ndarray:
+    """Stored form of the code lengths: ``lo`` and ``hi`` (uint16 little-endian), then the
+    lengths of symbols ``lo .. hi-1`` as 4-bit nibbles, high nibble first (lengths <= 15).
+
+    Args:
+        lengths: ``ndarray[A], uint8``.
+
+    Returns:
+        ``ndarray[4 + ceil((hi - lo) / 2)], uint8``.
+    """
+    used = np.flatnonzero(lengths)
+    lo, hi = (int(used[0]), int(used[-1]) + 1) if used.size else (0, 0)
+    body = np.asarray(lengths[lo:hi], dtype=np.uint8)
+    if body.size % 2:
+        body = np.append(body, np.uint8(0))
+    head = np.array([lo & 255, lo >> 8, hi & 255, hi >> 8], dtype=np.uint8)
+    return np.concatenate([head, (body[0::2] << 4) | body[1::2]]).astype(np.uint8)
+
+
+def unpack_codebook(data: np.ndarray, alphabet: int, name: str = "?") -> np.ndarray:
+    """Inverse of :func:`pack_codebook`. Raises FormatError when sizes or ranges disagree."""
+    if data.size < 4:
+        raise FormatError(f"tensor {name!r}: codebook of {data.size} bytes is truncated")
+    lo, hi = int(data[0]) | int(data[1]) << 8, int(data[2]) | int(data[3]) << 8
+    if not lo <= hi <= alphabet or data.size != 4 + (hi - lo + 1) // 2:
+        raise FormatError(f"tensor {name!r}: codebook range [{lo}, {hi}) or size {data.size} does not fit "
+                          f"an alphabet of {alphabet}")
+    nibbles = np.empty(2 * (data.size - 4), dtype=np.uint8)
+    nibbles[0::2], nibbles[1::2] = data[4:] >> 4, data[4:] & 15
+    lengths = np.zeros(alphabet, dtype=np.uint8)
+    lengths[lo:hi] = nibbles[: hi - lo]
+    return lengths
 
 
 def canonical_codes(lengths: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
 """ECF8: lossless entropy coding of float exponents (arXiv 2510.02676, extended to BF16/FP16/FP32).
 
-Per tensor: histogram the exponent field, build one length-limited (<= 16 bits) canonical
+Per tensor: histogram the exponent field, build one length-limited (<= 15 bits) canonical
 Huffman code by package-merge, code the exponents slice by slice, pack sign+mantissa raw. For
 8-bit floats the whole byte is also tried as the symbol and the smaller wins. Tensors that do
 not shrink, non-float tensors and tiny tensors are stored raw under their own name.
@@ -41,7 +41,7 @@ class ECF8Config(BaseModel):
     @classmethod
     def _slice_fits(cls, v: int) -> int:
         if v * MAX_CODE_LENGTH > 65535:
-            raise ValueError("slice_size * 16 must fit in 16 bits (slice_size <= 4095)")
+            raise ValueError(f"slice_size * {MAX_CODE_LENGTH} must fit in 16 bits")
         return v
 
 
@@ -173,7 +173,7 @@ def encode_array(dtype: str, bits: np.ndarray, config: ECF8Config = ECF8Config()
     coded_bits = int((best.freq * lengths).sum())
     S, W = config.slice_size, config.lanes
     n_tiles = -(-n // (S * W))
-    overhead = 8 * (n_tiles * W * 2 + lengths.size + 2 * PAD_BYTES + n_tiles)
+    overhead = 8 * (n_tiles * W * 2 + 4 + lengths.size // 2 + 2 * PAD_BYTES + n_tiles)
     if coded_bits + best.raw_bits + overhead >= n * layout.bits and not force:
         return None
     shift, mask, _ = _split(dtype, best.symbol, best.mantissa_in_symbol)

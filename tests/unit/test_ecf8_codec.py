@@ -34,10 +34,21 @@ def test_package_merge_is_optimal_when_unconstrained(seed):
 
 def test_package_merge_respects_the_cap():
     freq = np.array([2**i for i in range(30)], dtype=np.int64)  # Huffman would need 29-bit codes
-    lengths = code_lengths(freq, max_length=16)
-    assert lengths.max() == 16
+    lengths = code_lengths(freq, max_length=15)
+    assert lengths.max() == 15
     assert np.sum(np.ldexp(1.0, -lengths.astype(int))) <= 1.0
     assert code_lengths(np.array([0, 5, 0]))[1] == 1  # a lone symbol still gets one bit
+
+
+def test_codebook_packing_round_trips():
+    from compress.formats.ecf8 import pack_codebook, unpack_codebook
+
+    lengths = np.zeros(1024, np.uint8)
+    lengths[300:341] = np.arange(41) % 15 + 1
+    packed = pack_codebook(lengths)
+    assert packed.size == 4 + 21  # the used range only, two lengths a byte
+    np.testing.assert_array_equal(unpack_codebook(packed, 1024), lengths)
+    assert unpack_codebook(pack_codebook(np.zeros(16, np.uint8)), 16).sum() == 0
 
 
 def test_decode_table_two_levels():
@@ -131,7 +142,9 @@ def test_corrupt_parts_are_refused():
         CodedTensor.from_parts("w", ct.record(), short)
     with pytest.raises(FormatError, match="missing parts"):
         CodedTensor.from_parts("w", ct.record(), {"w_ecf8_codes": parts["w_ecf8_codes"]})
-    bad_book = dict(parts, **{"w_ecf8_codebook": np.ones_like(parts["w_ecf8_codebook"])})
+    from compress.formats.ecf8 import pack_codebook
+
+    bad_book = dict(parts, **{"w_ecf8_codebook": pack_codebook(np.ones_like(ct.codebook))})
     with pytest.raises(FormatError, match="Kraft"):
         CodedTensor.from_parts("w", ct.record(), bad_book)
 

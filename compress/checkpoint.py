@@ -239,16 +239,30 @@ def convert_gguf(path: Path, out_dir: Path, dtype: str = "BF16") -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:  # pragma: no cover - dependencies are required
         raise UnsupportedError(f"reading GGUF needs transformers and gguf: {e}") from None
+    import functools
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
     folder, name = str(path.parent), path.name
+    verbosity, bars, gguf_tqdm = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(), gguf_utils.tqdm
+    hf_logging.set_verbosity_error()  # an internal step: no advice about matmul dtypes, no tqdm bars
+    hf_logging.disable_progress_bar()
+    gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)  # its GGUF bar ignores the switch above
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype(dtype))
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
     except Exception as e:
-        raise UnsupportedError(f"{path}: transformers could not load this GGUF file ({type(e).__name__}: {e})") from None
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+        raise UnsupportedError(f"{path}: transformers could not convert this GGUF file ({type(e).__name__}: {e})") from None
+    finally:
+        gguf_utils.tqdm = gguf_tqdm
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     return out_dir
 
 
@@ -491,6 +505,9 @@ class CheckpointWriter:
             raise ConfigError(f"{self.output_dir} already exists; pass --overwrite to replace it")
         self.output_dir.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.output_dir.name}.tmp-", dir=self.output_dir.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the output is an ordinary folder
         self.metadata = {"format": "pt", **(shard_metadata or {})}
         self.shards: dict[str, _Shard] = {}
         self.shard_entries_meta: dict[str, dict[str, Any]] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -13,7 +14,17 @@ from compress.cli.common import JsonOpt, OverwriteOpt, QuietOpt, RevisionOpt, em
 
 DtypeOpt = typer.Option(None, "--dtype", help="GGUF input: dtype to dequantize to (default bfloat16). "
                                               "Safetensors input: cast float tensors to it.")
-BackendOpt = typer.Option("auto", "--backend", help="Decoder: auto, cpu (compiled), torch (reference) or triton.")
+class Backend(str, Enum):
+    """Decoder backends (compress.kernels.ecf8)."""
+
+    auto = "auto"
+    cpu = "cpu"
+    torch = "torch"
+    triton = "triton"
+
+
+BackendOpt = typer.Option(Backend.auto, "--backend", help="Decoder: auto, cpu (compiled), torch (reference) or "
+                                                          "triton (CUDA; CPU only under TRITON_INTERPRET=1).")
 
 
 def _size_table(report, title: str) -> Table:
@@ -21,16 +32,19 @@ def _size_table(report, title: str) -> Table:
     for col in ("", "bytes", "% of original"):
         table.add_column(col, justify="right" if col else "left")
     table.add_row("original", human(report.original_bytes), "100.00%")
-    table.add_row("encoded (files)", human(report.file_bytes), f"{100 * report.ratio:.2f}%")
-    table.add_row("exponent-entropy bound", human(report.bound_bytes), f"{100 * report.bound_ratio:.2f}%")
+    table.add_row("stored (weight files)", human(report.file_bytes), f"{100 * report.ratio:.2f}%")
+    table.add_row("exponent-entropy bound*", human(report.bound_bytes), f"{100 * report.bound_ratio:.2f}%")
     table.add_row("distance to bound", human(report.file_bytes - report.bound_bytes),
                   f"{100 * (report.file_bytes / max(report.bound_bytes, 1) - 1):+.2f}% rel.")
+    table.caption = ("* exponents at their per-tensor entropy, sign and mantissa raw; ECF8 can go below it "
+                     "by coding top mantissa bits with the exponent")
     return table
 
 
 def encode(
     model: str = typer.Argument(..., help="Checkpoint folder, Hub id, pkg:NAME or .gguf file."),
-    output_dir: Path = typer.Option(..., "--output-dir", "-o", help="Folder to write (must not exist)."),
+    output_dir: Path = typer.Option(..., "--output-dir", "-o", help="Folder to write (refused if it exists, "
+                                    "unless --overwrite)."),
     revision: Optional[str] = RevisionOpt,
     dtype: Optional[str] = DtypeOpt,
     slice_size: int = typer.Option(2048, "--slice-size", help="Symbols per independently decodable slice."),
@@ -99,7 +113,7 @@ def verify(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Dtype the original was read at when encoding "
                                         "(default: the one recorded in the encoded checkpoint)."),
     revision: Optional[str] = RevisionOpt,
-    backend: str = BackendOpt,
+    backend: Backend = BackendOpt,
     json_out: bool = JsonOpt,
     quiet: bool = QuietOpt,
 ) -> None:
@@ -118,7 +132,7 @@ def verify(
             except Exception:
                 cast = None
         with Checkpoint.open(original, revision=revision, dtype=cast) as src:
-            return _verify(src, encoded, backend, quiet or json_out)
+            return _verify(src, encoded, backend.value, quiet or json_out)
 
     report = run(work)
     if json_out:
@@ -135,9 +149,10 @@ def verify(
 
 def decode(
     encoded: str = typer.Argument(..., help="An ecf8 checkpoint (folder or Hub id)."),
-    output_dir: Path = typer.Option(..., "--output-dir", "-o", help="Folder to write (must not exist)."),
+    output_dir: Path = typer.Option(..., "--output-dir", "-o", help="Folder to write (refused if it exists, "
+                                    "unless --overwrite)."),
     revision: Optional[str] = RevisionOpt,
-    backend: str = BackendOpt,
+    backend: Backend = BackendOpt,
     overwrite: bool = OverwriteOpt,
     json_out: bool = JsonOpt,
     quiet: bool = QuietOpt,
@@ -151,7 +166,7 @@ def decode(
         enc = EncodedCheckpoint.open(encoded, revision=revision)
         total = sum(i.nbytes for i in enc.checkpoint.tensors.values())
         with progress(total, "decoding", not (quiet or json_out)) as advance:
-            result = decode_checkpoint(enc, output_dir, overwrite=overwrite, backend=backend, progress=advance)
+            result = decode_checkpoint(enc, output_dir, overwrite=overwrite, backend=backend.value, progress=advance)
         result["seconds"] = time.perf_counter() - start
         return result
 
@@ -196,7 +211,8 @@ def inspect(
 
 def convert(
     model: str = typer.Argument(..., help="Checkpoint folder, Hub id, pkg:NAME or .gguf file."),
-    output_dir: Path = typer.Option(..., "--output-dir", "-o", help="Folder to write (must not exist)."),
+    output_dir: Path = typer.Option(..., "--output-dir", "-o", help="Folder to write (refused if it exists, "
+                                    "unless --overwrite)."),
     dtype: Optional[str] = DtypeOpt,
     revision: Optional[str] = RevisionOpt,
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard, e.g. 5GB."),
@@ -204,8 +220,11 @@ def convert(
     json_out: bool = JsonOpt,
     quiet: bool = QuietOpt,
 ) -> None:
-    """Write any readable checkpoint (GGUF included) as plain safetensors, optionally cast
-    (float8_e4m3fn: per-tensor scales stored as <name>_scale_inv)."""
+    """Write any readable checkpoint (GGUF included) as plain safetensors, optionally cast.
+
+    float8_e4m3fn stores every 2-d+ weight as FP8 with a per-tensor <name>_scale_inv (float32):
+    real FP8 weights for lossless-coding work; transformers does not load this layout as a model.
+    """
 
     def work():
         from compress.checkpoint import Checkpoint, dtype_name

@@ -124,8 +124,15 @@ class CodedTensor:
                 "mantissa_in_symbol": self.mantissa_in_symbol, "slice_size": self.slice_size, "lanes": self.lanes}
 
     def parts(self, name: str) -> dict[str, tuple[str, tuple[int, ...], np.ndarray]]:
-        """The stored tensors: name -> (safetensors dtype, shape, data)."""
-        out = {name + CODES: ("U8", (self.codes.size,), self.codes)}
+        """The stored tensors: name -> (safetensors dtype, shape, data).
+
+        The original name holds an empty tensor of the original dtype: a loader that does not
+        know ecf8 then fails on a shape mismatch instead of initializing random weights.
+        """
+        from compress.checkpoint import DTYPES
+
+        out = {name: (self.dtype, (0,), np.zeros(0, DTYPES[self.dtype][1])),
+               name + CODES: ("U8", (self.codes.size,), self.codes)}
         if self.symbol != "byte":
             out[name + SIGN_MANTISSA] = ("U8", (self.sign_mantissa.size,), self.sign_mantissa)
         book = pack_codebook(self.codebook)

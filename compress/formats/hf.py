@@ -3,8 +3,9 @@
 ``import compress`` installs an import hook; the quantizer is registered with transformers the
 moment ``transformers.quantizers.auto`` is imported (or at once if it already is), so
 ``import compress`` stays fast and ``AutoModel*.from_pretrained(encoded_dir)`` works after it.
-Without ``import compress``, transformers refuses the checkpoint ("unknown quantization type
-ecf8") instead of loading random weights.
+Without ``import compress``, transformers warns "unknown quantization type ecf8" and then fails:
+each coded tensor's name holds an empty placeholder, a size mismatch it refuses, so it never
+loads random weights in their place.
 
 Loading never silently keeps a random weight: every coded tensor is decoded (checksum
 checked) and copied into the model after transformers' own loading; a tensor that has no
@@ -57,6 +58,7 @@ def _register() -> None:
         def __init__(self, quantization_config, **kwargs):
             super().__init__(quantization_config, **kwargs)
             self._encoded = None
+            self._coded: set[str] = set()
 
         def validate_environment(self, *args, **kwargs):
             return None
@@ -69,9 +71,16 @@ def _register() -> None:
 
                 raise FormatError("ecf8: transformers passed no checkpoint files to decode")
             self._encoded = EncodedCheckpoint.open(Path(checkpoint_files[0]).parent)
-            coded = [re.escape(n) + "$" for n, r in self._encoded.records.items() if r.get("codec") != "raw"]
+            prefix = getattr(model, "base_model_prefix", "") or ""
+            self._coded = set()
+            for name, record in self._encoded.records.items():
+                if record.get("codec") != "raw":
+                    self._coded |= {name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")}
             model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | {_CODED_PART}
-            model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | set(coded)
+
+        def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+            # the empty placeholder stored under a coded tensor's name is expected, not a mismatch
+            return param_name in self._coded
 
         def _process_model_after_weight_loading(self, model, **kwargs):
             place_decoded(model, self._encoded)
@@ -119,7 +128,7 @@ def place_decoded(model, encoded, backend: str = "auto") -> int:
                               "model class it was saved from")
         dtype, bits = encoded.read_array(name)
         value = torch.from_numpy(bits.view(_np_signed(dtype))).view(torch_dtype(dtype))
-        if tuple(target.shape) != tuple(value.shape):
+        if target.numel() and tuple(target.shape) != tuple(value.shape):  # empty: the format's placeholder
             raise FormatError(f"decoded tensor {name!r} has shape {list(value.shape)}, model expects {list(target.shape)}")
         with torch.no_grad():
             target.data = value.to(device=target.device, dtype=target.dtype if target.is_floating_point() else value.dtype)

@@ -79,6 +79,27 @@ def test_minilm_loads_bit_exact_through_transformers(minilm_fp32, tmp_path):
                 assert torch.equal(state[name], original.get(name)), name
 
 
+def test_plain_transformers_refuses_instead_of_random_weights(minilm_fp32, tmp_path):
+    enc = tmp_path / "enc"
+    assert cli("encode", "ecf8", minilm_fp32, "-o", enc, "-q").exit_code == 0
+    code = f"from transformers import AutoModel; AutoModel.from_pretrained({str(enc)!r})"  # no `import compress`
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0 and "mismatch" in (out.stdout + out.stderr).lower()
+
+
+def test_backend_errors_are_usage_errors(minilm_bf16, tmp_path, monkeypatch):
+    enc = tmp_path / "enc"
+    assert cli("encode", "ecf8", minilm_bf16, "-o", enc, "-q").exit_code == 0
+    r = cli("decode", enc, "-o", tmp_path / "d", "--backend", "bogus")
+    assert r.exit_code == 2
+    monkeypatch.delenv("TRITON_INTERPRET")
+    import torch
+
+    if not torch.cuda.is_available():
+        r = cli("decode", enc, "-o", tmp_path / "d", "--backend", "triton")
+        assert r.exit_code == 2 and "CUDA" in r.output and "Traceback" not in r.output
+
+
 def test_smollm2_bf16_and_gguf_route(smollm2_bf16, smollm2_gguf, tmp_path):
     enc = tmp_path / "enc"
     r = cli("encode", "ecf8", smollm2_bf16, "-o", enc, "--json", "--verify")

@@ -42,7 +42,8 @@ def decode(ct, lut: np.ndarray, backend: str = "auto", device: str | None = None
     """Decode a :class:`compress.formats.ecf8.CodedTensor` with the chosen backend.
 
     Returns an ndarray (``cpu``) or a Tensor (``torch``/``triton``) of value bits, shaped like
-    the original tensor. Raises ValueError on an unknown backend.
+    the original tensor. Raises ConfigError on an unknown backend, UnsupportedError for triton
+    without a CUDA device (unless TRITON_INTERPRET=1).
     """
     starts, _ = slice_offsets(ct.slice_bits, ct.lanes)
     layout = ct.layout  # mantissa_bits below: the mantissa bits left in the raw field
@@ -54,9 +55,21 @@ def decode(ct, lut: np.ndarray, backend: str = "auto", device: str | None = None
         from compress.kernels.ecf8 import cpu
 
         return cpu.decode_slices(ct.codes, ct.sign_mantissa, starts, lut, **kwargs).reshape(ct.shape)
+    import os
+
     import torch
 
-    dev = torch.device(device or ("cuda" if backend == "triton" else "cpu"))
+    if backend == "triton" and device is None:
+        if torch.cuda.is_available():
+            device = "cuda"
+        elif os.environ.get("TRITON_INTERPRET") == "1":
+            device = "cpu"
+        else:
+            from compress.errors import UnsupportedError
+
+            raise UnsupportedError("the triton backend needs a CUDA device (or TRITON_INTERPRET=1 to run it on "
+                                   "the CPU, slowly); use --backend cpu")
+    dev = torch.device(device or "cpu")
     args = [torch.from_numpy(a).to(dev) for a in (ct.codes, ct.sign_mantissa, starts, lut)]
     if backend == "torch":
         from compress.kernels.ecf8 import reference
@@ -66,4 +79,6 @@ def decode(ct, lut: np.ndarray, backend: str = "auto", device: str | None = None
         from compress.kernels.ecf8 import triton as tkernel
 
         return tkernel.decode_slices(*args, **kwargs).reshape(ct.shape)
-    raise ValueError(f"unknown backend {backend!r} (auto, cpu, torch, triton)")
+    from compress.errors import ConfigError
+
+    raise ConfigError(f"unknown backend {backend!r} (auto, cpu, torch, triton)")

@@ -40,8 +40,11 @@ DTYPES: dict[str, tuple[int, str]] = {
 }
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
-# Files that hold weights in some format: never copied as "non-weight" files.
-_WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|gguf|msgpack|h5|onnx)$|.*\.safetensors\.index\.json$")
+# Top-level files that hold the same weights in another format (PyTorch pickles, TF, Flax,
+# GGUF, consolidated copies): not carried into an output of the transformed weights.
+_ALT_WEIGHTS = re.compile(r"(pytorch_model|tf_model|flax_model|model|consolidated)([-.].*)?\.(bin|h5|msgpack|pth|pt|ckpt|gguf|safetensors)$"
+                          r"|.*\.gguf$|.*\.(bin|safetensors)\.index\.json$")
+MANIFEST_NAME = "compress_manifest.json"
 
 
 def torch_dtype(dtype: str):
@@ -306,6 +309,9 @@ class Checkpoint:
         """
         text = os.fspath(source)
         cast = dtype_name(dtype) if dtype else None
+        if cast is not None and cast not in ("F32", "F16", "BF16"):
+            raise ConfigError(f"--dtype {dtype}: reading can cast float tensors to float32, float16 or bfloat16 only "
+                              "(FP8 with scales: `compress convert --dtype float8_e4m3fn`)")
         if text.startswith("pkg:"):
             path = _resolve_package(text)
         elif Path(text).exists():
@@ -332,9 +338,10 @@ class Checkpoint:
             try:
                 self.index = json.loads(index_path.read_text())
                 weight_map = self.index["weight_map"]
-                assert isinstance(weight_map, dict)
+                assert isinstance(weight_map, dict) and all(isinstance(v, str) and "/" not in v and v not in ("", ".", "..")
+                                                            for v in weight_map.values())
             except (json.JSONDecodeError, KeyError, AssertionError, TypeError):
-                raise FormatError(f"{index_path}: not a valid index (needs a 'weight_map' object)") from None
+                raise FormatError(f"{index_path}: not a valid index (needs a 'weight_map' object of shard file names)") from None
             shards = sorted(set(weight_map.values()))
         elif (self.path / SINGLE_NAME).exists():
             weight_map, shards = None, [SINGLE_NAME]
@@ -420,15 +427,34 @@ class Checkpoint:
         if not path.exists():
             return {}
         try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            config = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise FormatError(f"{path}: invalid JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise FormatError(f"{path}: expected a JSON object, found {type(config).__name__}")
+        return config
 
     def extra_files(self) -> Iterator[Path]:
-        """Non-weight files (config, tokenizer, generation config, templates, subfolders), relative paths."""
+        """Files an output carries over unchanged, as relative paths: everything except the
+        shards and index read here, other top-level copies of the weights (``pytorch_model.bin``,
+        ``tf_model.h5``, ...: see :meth:`skipped_files`), hidden folders (``.cache``, ``.git``),
+        dangling links and compress's own manifest. Subfolders (e.g. sentence-transformers
+        modules with their own weights) are carried as they are."""
+        for rel in self._other_files():
+            if not (len(rel.parts) == 1 and _ALT_WEIGHTS.fullmatch(rel.name)):
+                yield rel
+
+    def skipped_files(self) -> list[str]:
+        """Top-level files holding the weights in another format, which outputs do not carry."""
+        return [str(rel) for rel in self._other_files() if len(rel.parts) == 1 and _ALT_WEIGHTS.fullmatch(rel.name)]
+
+    def _other_files(self) -> Iterator[Path]:
+        own = set(self.shard_metadata) | {INDEX_NAME, MANIFEST_NAME}
         for p in sorted(self.path.rglob("*")):
             rel = p.relative_to(self.path)
-            if p.is_file() and not _WEIGHT_FILE.match(p.name) and not any(part.startswith(".") for part in rel.parts):
+            if any(part.startswith(".") for part in rel.parts[:-1]) or rel.name in (".cache", ".git"):
+                continue
+            if p.is_file() and not (len(rel.parts) == 1 and rel.name in own):
                 yield rel
 
     def close(self) -> None:
@@ -454,6 +480,11 @@ def _int_torch(dtype: str):
     import torch
 
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[DTYPES[dtype][0]]
+
+
+def manifest_text(files: dict[str, dict[str, Any]]) -> str:
+    """Canonical text of a manifest: a verifier re-renders it and compares bytes."""
+    return json.dumps({"files": files}, indent=1, sort_keys=True) + "\n"
 
 
 def _header_bytes(entries: dict[str, dict], metadata: dict[str, str]) -> bytes:
@@ -485,13 +516,14 @@ class CheckpointWriter:
         overwrite: replace an existing ``output_dir`` (only after the new one is complete).
         inputs: input folders the output must not be inside of, nor equal to.
         shard_metadata: string metadata written into every shard (``format: pt`` is added).
+        manifest: also write ``compress_manifest.json`` (every file's size and xxh3-128).
 
     Raises:
         ConfigError: output exists, or is inside an input.
     """
 
     def __init__(self, output_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB", overwrite: bool = False,
-                 inputs: tuple[Path, ...] = (), shard_metadata: dict[str, str] | None = None):
+                 inputs: tuple[Path, ...] = (), shard_metadata: dict[str, str] | None = None, manifest: bool = False):
         self.output_dir = Path(output_dir).resolve()
         self.max_shard_size = parse_size(max_shard_size)
         self.overwrite = overwrite
@@ -509,6 +541,8 @@ class CheckpointWriter:
         os.umask(umask)
         os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the output is an ordinary folder
         self.metadata = {"format": "pt", **(shard_metadata or {})}
+        self.manifest = manifest
+        self.shard_metadata: dict[str, dict[str, str]] = {}  # shard file name -> metadata replacing the default
         self.shards: dict[str, _Shard] = {}
         self.shard_entries_meta: dict[str, dict[str, Any]] = {}
         self._auto: list[str] = []
@@ -550,7 +584,7 @@ class CheckpointWriter:
             if data.nbytes != expected:
                 raise FormatError(f"tensor {name!r}: {data.nbytes} bytes do not match shape {list(shape)} {dtype}")
             target.entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [target.size, target.size + data.nbytes]}
-            target.file.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+            target.file.write(memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)))
             target.size += data.nbytes
         if meta:
             self.shard_entries_meta[key].update(meta)
@@ -559,7 +593,7 @@ class CheckpointWriter:
         """Write a non-weight text file (e.g. a merged ``config.json``) into the output."""
         path = self.tmp / relpath
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        path.write_bytes(text.encode("utf-8"))  # byte for byte: no newline translation
 
     def copy_files(self, src_dir: Path, relpaths: list[Path], skip: set[str] = frozenset()) -> None:
         """Copy non-weight files from ``src_dir`` (never modifying them), except ``skip``."""
@@ -570,15 +604,19 @@ class CheckpointWriter:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src_dir / rel, dst)
 
-    def commit(self, index_metadata: dict[str, Any] | None = None, meta_key: str = "compress.tensors") -> Path:
-        """Finish every shard, write the index and rename the folder into place.
+    def finish(self, index_metadata: dict[str, Any] | None = None, meta_key: str = "compress.tensors") -> Path:
+        """Write every shard's header, the index and the manifest into the temporary folder.
 
         Shard files are named ``model.safetensors`` (one auto shard) or
-        ``model-0000k-of-0000N.safetensors``; named shards keep their names.
+        ``model-0000k-of-0000N.safetensors``; named shards keep their names. The manifest
+        (``compress_manifest.json``) lists every file with its size and xxh3-128, so a verifier
+        can tell that no byte of the output changed, and nothing was added or removed.
 
         Returns:
-            The output folder.
+            The temporary folder, complete; :meth:`publish` moves it into place.
         """
+        import xxhash
+
         names: dict[str, str] = {}
         for key in self.shards:
             if key.startswith("auto-"):
@@ -595,7 +633,7 @@ class CheckpointWriter:
         total = 0
         for key, shard in self.shards.items():
             shard.file.close()
-            meta = dict(self.metadata)
+            meta = dict(self.shard_metadata.get(names[key], self.metadata))
             if self.shard_entries_meta[key]:
                 meta[meta_key] = json.dumps(self.shard_entries_meta[key], separators=(",", ":"), sort_keys=True)
             header = _header_bytes(shard.entries, meta)
@@ -611,17 +649,47 @@ class CheckpointWriter:
         if len(self.shards) > 1 or index_metadata is not None:
             index = {"metadata": {"total_size": total, **(index_metadata or {})}, "weight_map": dict(sorted(weight_map.items()))}
             (self.tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        if self.output_dir.exists():
+        if self.manifest:
+            files = {}
+            for p in sorted(self.tmp.rglob("*")):
+                if p.is_file():
+                    h = xxhash.xxh3_128()
+                    with open(p, "rb") as f:
+                        while chunk := f.read(16 << 20):
+                            h.update(chunk)
+                    files[str(p.relative_to(self.tmp))] = {"bytes": p.stat().st_size, "xxh3_128": h.hexdigest()}
+            (self.tmp / MANIFEST_NAME).write_text(manifest_text(files))
+        return self.tmp
+
+    def publish(self) -> Path:
+        """Rename the finished temporary folder into place (replacing the old output only with
+        ``overwrite``; an output that appeared meanwhile is refused, not deleted).
+
+        Raises:
+            ConfigError: the output exists and ``overwrite`` is off.
+        """
+        if self.output_dir.exists() or self.output_dir.is_symlink():
+            if not self.overwrite:
+                self.abort()
+                raise ConfigError(f"{self.output_dir} appeared while writing; pass --overwrite to replace it")
             old = self.output_dir.with_name(f".{self.output_dir.name}.old-{os.getpid()}")
             os.rename(self.output_dir, old)
             os.rename(self.tmp, self.output_dir)
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink()
         else:
             os.rename(self.tmp, self.output_dir)
         return self.output_dir
 
+    def commit(self, index_metadata: dict[str, Any] | None = None, meta_key: str = "compress.tensors") -> Path:
+        """:meth:`finish`, then :meth:`publish`. Returns the output folder."""
+        self.finish(index_metadata, meta_key)
+        return self.publish()
+
     def abort(self) -> None:
-        """Close and remove everything written so far."""
+        """Close and remove everything written so far (the previous output, if any, stays)."""
         for shard in self.shards.values():
             shard.file.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -630,5 +698,5 @@ class CheckpointWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
+        if exc_type is not None or self.tmp.exists():  # an error, or finished but never published
             self.abort()

@@ -24,7 +24,15 @@ OverwriteOpt = typer.Option(False, "--overwrite", help="Replace an existing outp
 RevisionOpt = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) for Hub ids.")
 
 
-def run(fn: Callable[[], Any]) -> Any:
+def fail(message: str, code: int, json_out: bool = False) -> None:
+    """Print one error line on stderr (and, under --json, ``{"error", "exit_code"}`` on stdout); exit."""
+    stderr.print(f"[red]error:[/red] {message}", soft_wrap=True, markup=True)
+    if json_out:
+        emit_json({"error": message, "exit_code": code})
+    raise typer.Exit(code)
+
+
+def run(fn: Callable[[], Any], json_out: bool = False) -> Any:
     """Call ``fn``; turn errors into one line on stderr and the mapped exit code.
 
     CompressError subclasses carry their exit code (1 runtime, 2 usage/config, 3 verification);
@@ -32,27 +40,32 @@ def run(fn: Callable[[], Any]) -> Any:
     """
     from compress.errors import CompressError
 
+    debug = os.environ.get("COMPRESS_DEBUG") == "1"
     try:
         return fn()
     except CompressError as e:
-        if os.environ.get("COMPRESS_DEBUG") == "1":
+        if debug:
             raise
-        stderr.print(f"[red]error:[/red] {e}", soft_wrap=True)
-        raise typer.Exit(e.exit_code) from None
+        fail(_escape(str(e)), e.exit_code, json_out)
     except KeyboardInterrupt:
-        stderr.print("[red]error:[/red] interrupted; no output was written")
-        raise typer.Exit(130) from None
-    except (OSError, MemoryError) as e:
-        if os.environ.get("COMPRESS_DEBUG") == "1":
+        fail("interrupted; no output was written", 130, json_out)
+    except OSError as e:
+        if debug:
             raise
-        stderr.print(f"[red]error:[/red] {type(e).__name__}: {e}", soft_wrap=True)
-        raise typer.Exit(1) from None
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        fail(_escape(f"{e.strerror or e}{where}"), 1, json_out)
+    except MemoryError:
+        fail("out of memory", 1, json_out)
     except Exception as e:  # internal error: still one line unless debugging
-        if os.environ.get("COMPRESS_DEBUG") == "1":
+        if debug:
             raise
-        stderr.print(f"[red]internal error:[/red] {type(e).__name__}: {e} (COMPRESS_DEBUG=1 shows the traceback)",
-                     soft_wrap=True)
-        raise typer.Exit(1) from None
+        fail(_escape(f"internal error: {type(e).__name__}: {e} (COMPRESS_DEBUG=1 shows the traceback)"), 1, json_out)
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text.replace("\n", " "))
 
 
 def emit_json(obj: Any) -> None:

@@ -58,49 +58,52 @@ def encode(
 
     def work():
         from compress.checkpoint import Checkpoint
+        from compress.errors import ConfigError
         from compress.transforms.ecf8 import ECF8Config, encode_checkpoint
 
         try:
             config = ECF8Config(slice_size=slice_size)
         except ValueError as e:
-            from compress.errors import ConfigError
-
             raise ConfigError(f"--slice-size: {e.errors()[0]['msg']}") from None
         start = time.perf_counter()
         with Checkpoint.open(model, revision=revision, dtype=dtype) as src:
             total = sum(i.nbytes for i in src.tensors.values())
             with progress(total, "encoding", not (quiet or json_out)) as advance:
-                report = encode_checkpoint(src, output_dir, config, max_shard_size=max_shard_size,
-                                           overwrite=overwrite, progress=advance)
-            seconds = time.perf_counter() - start
-            result = {"output": str(output_dir), "seconds": seconds, **report.model_dump(exclude={"tensors"})}
-            if verify:
-                result["verify"] = _verify(src, str(output_dir), "auto", quiet or json_out).model_dump()
+                report, checked = encode_checkpoint(src, output_dir, config, max_shard_size=max_shard_size,
+                                                    overwrite=overwrite, verify=verify, progress=advance)
+            skipped = src.skipped_files()
+        seconds = time.perf_counter() - start
+        result = {"output": str(output_dir), "seconds": seconds, "skipped_files": skipped,
+                  **report.model_dump(exclude={"tensors"})}
+        if checked is not None:
+            result["verify"] = checked.model_dump()
         if json_out:
             emit_json(result)
             return result
         stdout.print(_size_table(report, f"ECF8 {model} -> {output_dir}"))
-        stdout.print(f"{len(report.tensors)} tensors, {seconds:.1f} s, "
-                     f"{report.original_bytes / seconds / 1e6:.0f} MB/s (end to end)")
-        if verify:
-            v = result["verify"]
-            stdout.print(f"verify: {'[green]OK[/green]' if v['ok'] else '[red]FAILED[/red]'} "
-                         f"({v['tensors']} tensors bit-identical)" if v["ok"] else f"verify: [red]FAILED[/red] {v['mismatches']}")
+        stdout.print(f"{len(report.tensors)} tensors, {seconds:.1f} s end to end")
+        if skipped:
+            stdout.print(f"not carried over (other copies of the weights): {', '.join(skipped)}")
+        if checked is not None and checked.ok:
+            stdout.print(f"verify: [green]OK[/green] ({checked.tensors} tensors bit-identical, files match)")
+        elif checked is not None:
+            stdout.print(f"verify: [red]FAILED[/red], nothing written: {checked.mismatches}", soft_wrap=True)
         return result
 
-    result = run(work)
+    result = run(work, json_out)
     if verify and not result["verify"]["ok"]:
+        stderr.print("[red]error:[/red] verification failed; the output was not written")
         raise typer.Exit(3)
 
 
 def _verify(original, encoded_path: str, backend: str, quiet: bool):
-    from compress.errors import FormatError
+    from compress.errors import ConfigError, FormatError
     from compress.eval.verify import VerifyReport, verify_checkpoint
     from compress.formats.ecf8 import EncodedCheckpoint
 
     try:
         encoded = EncodedCheckpoint.open(encoded_path)
-    except FormatError as e:
+    except (FormatError, ConfigError) as e:
         return VerifyReport(ok=False, tensors=0, bytes=0, mismatches=[f"cannot read encoded checkpoint: {e}"])
     total = sum(i.nbytes for i in original.tensors.values())
     with progress(total, "verifying", not quiet) as advance:
@@ -134,7 +137,7 @@ def verify(
         with Checkpoint.open(original, revision=revision, dtype=cast) as src:
             return _verify(src, encoded, backend.value, quiet or json_out)
 
-    report = run(work)
+    report = run(work, json_out)
     if json_out:
         emit_json(report)
     elif report.ok:
@@ -144,6 +147,7 @@ def verify(
         for line in report.mismatches:
             stdout.print(f"  {line}", soft_wrap=True)
     if not report.ok:
+        stderr.print(f"[red]error:[/red] verification failed: {len(report.mismatches)} problem(s)")
         raise typer.Exit(3)
 
 
@@ -170,7 +174,7 @@ def decode(
         result["seconds"] = time.perf_counter() - start
         return result
 
-    result = run(work)
+    result = run(work, json_out)
     if json_out:
         emit_json(result)
     else:
@@ -192,7 +196,7 @@ def inspect(
 
         return inspect_checkpoint(path, revision=revision, dtype=dtype)
 
-    report = run(work)
+    report = run(work, json_out)
     if json_out:
         emit_json({**report.model_dump(), "tensors": [{**t.model_dump(), "bits_per_weight": t.bits_per_weight}
                                                       for t in report.tensors]})
@@ -237,7 +241,7 @@ def convert(
                 return convert_checkpoint(src, output_dir, fp8=fp8, max_shard_size=max_shard_size,
                                           overwrite=overwrite, progress=advance)
 
-    result = run(work)
+    result = run(work, json_out)
     if json_out:
         emit_json(result)
     else:

@@ -18,5 +18,35 @@ app.command("convert")(ecf8.convert)
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point: usage errors as one line (exit 2), SIGTERM like Ctrl-C
+    (temporary outputs are removed on the way out)."""
+    import signal
+    import sys
+
+    try:  # typer >= 0.20 vendors click
+        from typer._click import exceptions as click_exc
+    except ImportError:  # pragma: no cover - older typer on real click
+        from click import exceptions as click_exc
+
+    def _terminate(signum, frame):
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        code = app(standalone_mode=False)  # a typer.Exit raised in a command comes back as its code
+    except typer.Exit as e:
+        code = e.exit_code
+    except typer.Abort:
+        sys.stderr.write("error: interrupted\n")
+        code = 130
+    except click_exc.NoArgsIsHelpError as e:
+        sys.stdout.write(e.ctx.get_help() + "\n")
+        code = 0
+    except click_exc.UsageError as e:
+        hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+        sys.stderr.write(f"error: {e.format_message()}{hint}\n")
+        code = 2
+    except click_exc.ClickException as e:
+        sys.stderr.write(f"error: {e.format_message()}\n")
+        code = e.exit_code
+    sys.exit(code if isinstance(code, int) else 0)

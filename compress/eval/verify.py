@@ -67,15 +67,60 @@ def verify_checkpoint(original, encoded, *, backend: str = "auto", progress=None
         if progress:
             progress(ref.nbytes)
     problems += _compare_files(original, encoded.checkpoint)
+    problems += check_manifest(encoded.checkpoint.path)
     return VerifyReport(ok=not problems, tensors=count, bytes=total, mismatches=problems[:20])
 
 
+def check_manifest(folder) -> list[str]:
+    """Every file of ``folder`` against ``compress_manifest.json``: same set of files, sizes and
+    xxh3-128, and the manifest itself in canonical form. Returns one line per problem."""
+    import json
+    from pathlib import Path
+
+    import xxhash
+
+    from compress.checkpoint import MANIFEST_NAME, manifest_text
+
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    if not path.exists():
+        return [f"{MANIFEST_NAME}: missing, so the files cannot be checked"]
+    try:
+        text = path.read_bytes().decode("utf-8")
+        files = json.loads(text)["files"]
+        if text != manifest_text(files):
+            return [f"{MANIFEST_NAME}: modified (not in canonical form)"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        return [f"{MANIFEST_NAME}: unreadable"]
+    problems = []
+    present = {str(p.relative_to(folder)) for p in folder.rglob("*") if (p.is_file() or p.is_symlink()) and p != path}
+    problems += [f"file {p}: not in the manifest (added after encoding)" for p in sorted(present - set(files))]
+    problems += [f"file {p}: missing" for p in sorted(set(files) - present)]
+    for rel in sorted(present & set(files)):
+        h = xxhash.xxh3_128()
+        try:
+            with open(folder / rel, "rb") as f:
+                while chunk := f.read(16 << 20):
+                    h.update(chunk)
+        except OSError as e:
+            problems.append(f"file {rel}: unreadable ({e.strerror})")
+            continue
+        entry = files[rel]
+        if not isinstance(entry, dict) or h.hexdigest() != entry.get("xxh3_128"):
+            problems.append(f"file {rel}: modified after encoding")
+    return problems
+
+
 def _compare_files(original, encoded) -> list[str]:
-    """Non-weight files: byte-equal, except config.json, equal as JSON once the encoder's
-    quantization_config is swapped back for the original's."""
+    """Non-weight files: byte-equal; config.json equal to the original once the encoder's
+    quantization_config is taken out, and the original text kept in the metadata byte-equal."""
     import json
 
     problems = []
+    meta = next(iter(encoded.shard_metadata.values()), {})
+    if (original.path / "config.json").exists() and "compress.source_config" in meta:
+        if (original.path / "config.json").read_bytes() != meta["compress.source_config"].encode("utf-8"):
+            problems.append("file config.json: the original kept in the encoded checkpoint differs")
     want = {str(p) for p in original.extra_files()}
     have = {str(p) for p in encoded.extra_files()}
     problems += [f"file {p}: missing from the encoded checkpoint" for p in sorted(want - have)]
@@ -83,12 +128,11 @@ def _compare_files(original, encoded) -> list[str]:
         a, b = (original.path / rel).read_bytes(), (encoded.path / rel).read_bytes()
         if rel == "config.json":
             try:
-                cfg = json.loads(b)
-                q = cfg.pop("quantization_config", None) or {}
-                if q.get("original_quantization_config") is not None:
-                    cfg["quantization_config"] = q["original_quantization_config"]
-                same = json.loads(a) == cfg
-            except (json.JSONDecodeError, AttributeError):
+                orig, cfg = json.loads(a), json.loads(b)
+                q = cfg.pop("quantization_config", None)
+                same = (isinstance(q, dict) and q.get("quant_method") == "ecf8"
+                        and q.get("original_quantization_config") == orig.pop("quantization_config", None) and cfg == orig)
+            except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
                 same = False
         else:
             same = a == b

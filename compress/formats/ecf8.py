@@ -313,7 +313,7 @@ def checksum(data: np.ndarray) -> str:
     """xxh3-128 hex digest of an array's bytes (the original tensor's little-endian bytes)."""
     import xxhash
 
-    return xxhash.xxh3_128(memoryview(np.ascontiguousarray(data)).cast("B")).hexdigest()
+    return xxhash.xxh3_128(memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))).hexdigest()
 
 
 def parts_checksum(parts: list[np.ndarray]) -> str:
@@ -324,7 +324,7 @@ def parts_checksum(parts: list[np.ndarray]) -> str:
 
     h = xxhash.xxh3_128()
     for part in parts:
-        h.update(memoryview(np.ascontiguousarray(part)).cast("B"))
+        h.update(memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8)))
     return h.hexdigest()
 
 
@@ -438,8 +438,9 @@ class EncodedCheckpoint:
 
 def decode_checkpoint(encoded: EncodedCheckpoint, output_dir, *, overwrite: bool = False, backend: str = "auto",
                       progress=None) -> dict[str, Any]:
-    """Write the original checkpoint back: every tensor bit-identical, original shard names,
-    ``config.json`` with the original ``quantization_config`` (or none) restored.
+    """Write the original checkpoint back: every tensor bit-identical under its original shard
+    name, each shard's original metadata, the index's metadata, ``config.json``'s original text
+    and every other file.
 
     Args:
         encoded: the opened encoded checkpoint.
@@ -459,21 +460,29 @@ def decode_checkpoint(encoded: EncodedCheckpoint, output_dir, *, overwrite: bool
     from compress.checkpoint import CheckpointWriter
 
     ck = encoded.checkpoint
+    meta = next(iter(ck.shard_metadata.values()), {})
+    try:
+        shard_meta = json.loads(meta.get("compress.source_shard_metadata", "{}"))
+        index_meta = json.loads(meta.get("compress.source_index", "null"))
+    except json.JSONDecodeError:
+        raise FormatError(f"{ck.source}: compress.source_* metadata is not valid JSON") from None
     total = 0
-    shards = {r["shard"] for r in encoded.records.values()}
     with CheckpointWriter(output_dir, overwrite=overwrite, inputs=(ck.path,)) as writer:
+        writer.shard_metadata = {name: m if m else {} for name, m in shard_meta.items()}
         for name, record in encoded.records.items():
             dtype, bits = encoded.read_array(name, backend=backend)
             writer.add({name: (dtype, tuple(bits.shape), bits)}, shard=record["shard"])
             total += bits.nbytes
             if progress:
                 progress(bits.nbytes)
-        config = ck.config()
-        if config:
+        if "compress.source_config" in meta:
+            writer.write_text("config.json", meta["compress.source_config"])
+        elif (ck.path / "config.json").exists():
+            config = ck.config()
             q = config.pop("quantization_config", None) or {}
             if q.get("original_quantization_config") is not None:
                 config["quantization_config"] = q["original_quantization_config"]
             writer.write_text("config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
         writer.copy_files(ck.path, list(ck.extra_files()), skip={"config.json"})
-        out = writer.commit(index_metadata={} if len(shards) > 1 else None)
+        out = writer.commit(index_metadata=index_meta if isinstance(index_meta, dict) else None)
     return {"output": str(out), "tensors": len(encoded.records), "bytes": total}

@@ -242,10 +242,12 @@ def size_report(tensors: list[TensorReport], file_bytes: int) -> SizeReport:
 
 
 def encode_checkpoint(source, output_dir, config: ECF8Config = ECF8Config(), *, max_shard_size: str | int = "5GB",
-                      overwrite: bool = False, progress=None) -> SizeReport:
+                      overwrite: bool = False, verify: bool = False, progress=None):
     """Encode every tensor of a checkpoint with ECF8 and write the ``ecf8`` format.
 
-    Streams tensor by tensor: peak memory is one tensor plus its coded parts.
+    Streams tensor by tensor: peak memory is one tensor plus its coded parts. Everything needed
+    to give the original back is kept: original shard names and their metadata, the index's
+    metadata, ``config.json``'s exact text, every other file.
 
     Args:
         source: an open :class:`compress.checkpoint.Checkpoint`.
@@ -253,28 +255,45 @@ def encode_checkpoint(source, output_dir, config: ECF8Config = ECF8Config(), *, 
         config: :class:`ECF8Config`.
         max_shard_size: shard size limit of the output.
         overwrite: replace an existing output folder.
+        verify: decode the finished output and compare it with ``source`` before it is moved
+            into place; on a mismatch nothing is published (an old output stays).
         progress: optional ``callable(bytes_done)`` called after each tensor.
 
     Returns:
-        :class:`SizeReport` of the written checkpoint (``file_bytes`` = its shard files).
+        ``(SizeReport, VerifyReport | None)``: sizes of the written checkpoint (``file_bytes`` =
+        its shard files) and the verification, if asked for.
 
     Raises:
-        ConfigError: output exists or is inside the input. FormatError: unreadable input.
+        ConfigError: output exists or is inside the input, or the input is already encoded.
+        UnsupportedError: a tensor name ends in a suffix the format reserves.
+        FormatError: unreadable input.
     """
     import json
-    from pathlib import Path
 
     from compress import __version__
     from compress.checkpoint import CheckpointWriter
-    from compress.formats.ecf8 import FORMAT_NAME, FORMAT_VERSION, checksum, parts_checksum
+    from compress.errors import ConfigError, UnsupportedError
+    from compress.formats.ecf8 import FORMAT_NAME, FORMAT_VERSION, SUFFIXES, checksum, parts_checksum
 
+    if any(m.get("compress.format") for m in source.shard_metadata.values()):
+        raise ConfigError(f"{source.source} is already a compress checkpoint "
+                          f"({next(iter(source.shard_metadata.values())).get('compress.format')}); decode it first")
+    reserved = [n for n in source.names() if n.endswith(SUFFIXES)]
+    if reserved:
+        raise UnsupportedError(f"tensor {reserved[0]!r} ends in a suffix the ecf8 format reserves ({', '.join(SUFFIXES)})")
+    config_path = source.path / "config.json"
     meta = {"compress.format": FORMAT_NAME, "compress.format_version": str(FORMAT_VERSION),
             "compress.version": __version__,
             "compress.source": json.dumps({"source": source.source, "dtype": source.cast}),
-            "compress.recipe": json.dumps([{"ecf8": config.model_dump()}])}
+            "compress.recipe": json.dumps([{"ecf8": config.model_dump()}]),
+            "compress.source_shard_metadata": json.dumps(source.shard_metadata, sort_keys=True),
+            "compress.source_index": json.dumps(source.index.get("metadata") if source.index else None)}
+    if config_path.exists():
+        source.config()  # a JSON object, or FormatError
+        meta["compress.source_config"] = config_path.read_bytes().decode("utf-8")
     reports: list[TensorReport] = []
     with CheckpointWriter(output_dir, max_shard_size=max_shard_size, overwrite=overwrite,
-                          inputs=(source.path,), shard_metadata=meta) as writer:
+                          inputs=(source.path,), shard_metadata=meta, manifest=True) as writer:
         for name in source.names():
             info = source.info(name)
             dtype, bits = source.read_array(name)
@@ -295,7 +314,7 @@ def encode_checkpoint(source, output_dir, config: ECF8Config = ECF8Config(), *, 
             else:
                 parts = coded.parts(name)
                 record.update(coded.record(),
-                              parts_xxh3_128=parts_checksum([data for _, _, data in parts.values()]))
+                              parts_xxh3_128=parts_checksum([data for part, (_, _, data) in parts.items() if part != name]))
                 writer.add(parts, {name: record})
                 stored = coded.nbytes
             bound = entropy_bound_bytes(dtype, bits.size, entropy) if entropy is not None else bits.nbytes
@@ -305,13 +324,23 @@ def encode_checkpoint(source, output_dir, config: ECF8Config = ECF8Config(), *, 
             del bits, coded
             if progress:
                 progress(info.nbytes)
-        config_json = source.config()
-        if config_json:
-            original_q = config_json.get("quantization_config")
+        if config_path.exists():
+            config_json = source.config()
             config_json["quantization_config"] = {"quant_method": FORMAT_NAME, "format_version": FORMAT_VERSION,
-                                                  "original_quantization_config": original_q}
+                                                  "original_quantization_config": config_json.get("quantization_config")}
             writer.write_text("config.json", json.dumps(config_json, indent=2, sort_keys=True) + "\n")
         writer.copy_files(source.path, list(source.extra_files()), skip={"config.json"})
-        out = writer.commit()
-    files = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
-    return size_report(reports, files)
+        tmp = writer.finish()
+        files = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
+        checked = None
+        if verify:
+            from compress.checkpoint import Checkpoint
+            from compress.eval.verify import verify_checkpoint
+            from compress.formats.ecf8 import EncodedCheckpoint
+
+            checked = verify_checkpoint(source, EncodedCheckpoint(Checkpoint(tmp, str(output_dir))))
+            if not checked.ok:
+                writer.abort()
+                return size_report(reports, files), checked
+        writer.publish()
+    return size_report(reports, files), checked

@@ -225,7 +225,19 @@ def pack_raw(bits, total_bits, mantissa_bits, raw_bits, out):
     n = bits.size
     n_groups = (n + 7) // 8  # 8 values = R whole bytes, so groups never share a byte
     mmask = (np.int64(1) << mantissa_bits) - 1
-    for g in prange(n_groups):
+    full = n // 8
+    if raw_bits <= 8:  # a group's 8 fields fit one 64-bit word: no per-bit loop, no branches
+        for g in prange(full):
+            word = np.int64(0)
+            for k in range(8):
+                v = np.int64(bits[np.uint64(g * 8 + k)])
+                word = (word << raw_bits) | ((v >> (total_bits - 1)) << mantissa_bits) | (v & mmask)
+            for b in range(raw_bits):
+                out[np.uint64(g * raw_bits + b)] = (word >> (8 * (raw_bits - 1 - b))) & 0xFF
+        first = full
+    else:
+        first = 0
+    for g in prange(first, n_groups):
         pos = g * raw_bits
         acc = np.int64(0)
         nacc = np.int64(0)
@@ -243,7 +255,6 @@ def pack_raw(bits, total_bits, mantissa_bits, raw_bits, out):
             out[pos] = (acc << (8 - nacc)) & 0xFF
 
 
-_BLOCK_STEPS = 16
 @njit(cache=True, inline="always")
 def _refill(codes, a, m, q):
     if m < 16:

@@ -179,14 +179,14 @@ def encode_array(dtype: str, bits: np.ndarray, config: ECF8Config = ECF8Config()
     shift, mask, _ = _split(dtype, best.symbol, best.mantissa_in_symbol)
     slice_bits = cpu.slice_lengths(flat, shift, mask, lengths, S, W)
     starts, total = slice_offsets(slice_bits, W)
-    codes = np.zeros(total + PAD_BYTES + (-(total + PAD_BYTES) % 8), dtype=np.uint8)
+    codes = cpu.alloc(total + PAD_BYTES + (-(total + PAD_BYTES) % 8), np.uint8, zero=True)
     cpu.encode_slices(flat, shift, mask, canonical_codes(lengths), lengths, S, W, starts, codes)
     if best.symbol == "byte":
         raw = np.zeros(0, np.uint8)
     else:
         R = layout.raw_bits - best.mantissa_in_symbol
         size = -(-n * R // 8) + PAD_BYTES
-        raw = np.zeros(size + (-size % 8), dtype=np.uint8)
+        raw = cpu.alloc(size + (-size % 8), np.uint8, zero=True)
         cpu.pack_raw(flat, layout.bits, R - 1, R, raw)
     return CodedTensor(dtype, shape, best.symbol, best.mantissa_in_symbol, S, W, codes, raw, lengths, slice_bits)
 

@@ -340,7 +340,7 @@ class Checkpoint:
                 weight_map = self.index["weight_map"]
                 assert isinstance(weight_map, dict) and all(isinstance(v, str) and "/" not in v and v not in ("", ".", "..")
                                                             for v in weight_map.values())
-            except (json.JSONDecodeError, KeyError, AssertionError, TypeError):
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AssertionError, TypeError):
                 raise FormatError(f"{index_path}: not a valid index (needs a 'weight_map' object of shard file names)") from None
             shards = sorted(set(weight_map.values()))
         elif (self.path / SINGLE_NAME).exists():
@@ -450,12 +450,20 @@ class Checkpoint:
 
     def _other_files(self) -> Iterator[Path]:
         own = set(self.shard_metadata) | {INDEX_NAME, MANIFEST_NAME}
-        for p in sorted(self.path.rglob("*")):
-            rel = p.relative_to(self.path)
-            if any(part.startswith(".") for part in rel.parts[:-1]) or rel.name in (".cache", ".git"):
+        found, seen = [], set()
+        for root, dirs, files in os.walk(self.path, followlinks=True):
+            real = os.path.realpath(root)
+            if real in seen:  # a link cycle
+                dirs.clear()
                 continue
-            if p.is_file() and not (len(rel.parts) == 1 and rel.name in own):
-                yield rel
+            seen.add(real)
+            dirs[:] = [d for d in dirs if d not in (".git", ".cache", ".huggingface")]
+            for name in files:
+                p = Path(root) / name
+                rel = p.relative_to(self.path)
+                if p.is_file() and not (len(rel.parts) == 1 and rel.name in own):
+                    found.append(rel)
+        yield from sorted(found)
 
     def close(self) -> None:
         """Remove the temporary folder of a dequantized GGUF input, if any."""
@@ -524,7 +532,11 @@ class CheckpointWriter:
 
     def __init__(self, output_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB", overwrite: bool = False,
                  inputs: tuple[Path, ...] = (), shard_metadata: dict[str, str] | None = None, manifest: bool = False):
+        if not os.fspath(output_dir).strip():
+            raise ConfigError("empty --output-dir")
         self.output_dir = Path(output_dir).resolve()
+        if self.output_dir == Path.cwd().resolve() or self.output_dir in Path.cwd().resolve().parents:
+            raise ConfigError(f"output {self.output_dir} is the working folder or holds it; choose another --output-dir")
         self.max_shard_size = parse_size(max_shard_size)
         self.overwrite = overwrite
         for src in inputs:
@@ -574,6 +586,8 @@ class CheckpointWriter:
                 self._open_shard(key)
         else:
             key = shard
+            if not re.fullmatch(r"[A-Za-z0-9_][\w.\-]*\.safetensors", key):
+                raise FormatError(f"shard name {key!r} is not a plain .safetensors file name")
             if key not in self.shards:
                 self._open_shard(key)
         target = self.shards[key]
@@ -668,17 +682,23 @@ class CheckpointWriter:
         Raises:
             ConfigError: the output exists and ``overwrite`` is off.
         """
+        import signal
+
         if self.output_dir.exists() or self.output_dir.is_symlink():
             if not self.overwrite:
                 self.abort()
                 raise ConfigError(f"{self.output_dir} appeared while writing; pass --overwrite to replace it")
             old = self.output_dir.with_name(f".{self.output_dir.name}.old-{os.getpid()}")
-            os.rename(self.output_dir, old)
-            os.rename(self.tmp, self.output_dir)
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                old.unlink()
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+            try:  # swap and clean up without being interrupted half way
+                os.rename(self.output_dir, old)
+                os.rename(self.tmp, self.output_dir)
+                if old.is_dir() and not old.is_symlink():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.unlink()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         else:
             os.rename(self.tmp, self.output_dir)
         return self.output_dir
@@ -691,7 +711,10 @@ class CheckpointWriter:
     def abort(self) -> None:
         """Close and remove everything written so far (the previous output, if any, stays)."""
         for shard in self.shards.values():
-            shard.file.close()
+            try:
+                shard.file.close()
+            except OSError:  # e.g. a full disk failing the last flush: the folder goes anyway
+                pass
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> "CheckpointWriter":

@@ -77,6 +77,8 @@ def encode(
                   **report.model_dump(exclude={"tensors"})}
         if checked is not None:
             result["verify"] = checked.model_dump()
+            if not checked.ok:
+                result.update(output=None, error="verification failed; the output was not written", exit_code=3)
         if json_out:
             emit_json(result)
             return result
@@ -97,13 +99,20 @@ def encode(
 
 
 def _verify(original, encoded_path: str, backend: str, quiet: bool):
+    from compress.checkpoint import MANIFEST_NAME
     from compress.errors import ConfigError, FormatError
     from compress.eval.verify import VerifyReport, verify_checkpoint
     from compress.formats.ecf8 import EncodedCheckpoint
+    from compress.kernels.ecf8 import check_backend
 
+    check_backend(backend)
+    if not Path(encoded_path).exists():
+        raise ConfigError(f"{encoded_path}: no such folder")
     try:
         encoded = EncodedCheckpoint.open(encoded_path)
     except (FormatError, ConfigError) as e:
+        if not (Path(encoded_path) / MANIFEST_NAME).exists():
+            raise  # not a compress output at all: a format or usage error, not a failed check
         return VerifyReport(ok=False, tensors=0, bytes=0, mismatches=[f"cannot read encoded checkpoint: {e}"])
     total = sum(i.nbytes for i in original.tensors.values())
     with progress(total, "verifying", not quiet) as advance:
@@ -127,19 +136,26 @@ def verify(
 
         from compress.checkpoint import Checkpoint, read_header
 
+        from compress.checkpoint import dtype_name
+        from compress.errors import CompressError
+        from compress.eval.verify import VerifyReport
+
         cast = dtype
         if cast is None:  # the encoder records the dtype it read the original at
             try:
                 shards = sorted(Path(encoded).glob("*.safetensors"))
                 cast = json.loads(read_header(shards[0])[1].get("compress.source", "{}")).get("dtype") if shards else None
-            except Exception:
-                cast = None
+                if cast is not None and dtype_name(cast) not in ("F32", "F16", "BF16"):
+                    raise ValueError(cast)
+            except (CompressError, ValueError, TypeError, AttributeError, OSError) as e:
+                return VerifyReport(ok=False, tensors=0, bytes=0,
+                                    mismatches=[f"cannot read the encoded checkpoint's provenance: {e}"])
         with Checkpoint.open(original, revision=revision, dtype=cast) as src:
             return _verify(src, encoded, backend.value, quiet or json_out)
 
     report = run(work, json_out)
     if json_out:
-        emit_json(report)
+        emit_json({**report.model_dump(), **({} if report.ok else {"error": "verification failed", "exit_code": 3})})
     elif report.ok:
         stdout.print(f"[green]OK[/green]: {report.tensors} tensors ({human(report.bytes)}) bit-identical; index and files match")
     else:

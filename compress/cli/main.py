@@ -29,6 +29,7 @@ def main() -> None:
         from click import exceptions as click_exc
 
     def _terminate(signum, frame):
+        sys.stderr.write("error: terminated; no output was written\n")
         raise SystemExit(143)
 
     signal.signal(signal.SIGTERM, _terminate)
@@ -46,6 +47,10 @@ def main() -> None:
         hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
         sys.stderr.write(f"error: {e.format_message()}{hint}\n")
         code = 2
+        if "--json" in sys.argv[1:]:
+            import json
+
+            sys.stdout.write(json.dumps({"error": e.format_message(), "exit_code": 2}) + "\n")
     except click_exc.ClickException as e:
         sys.stderr.write(f"error: {e.format_message()}\n")
         code = e.exit_code

@@ -106,8 +106,9 @@ def check_manifest(folder) -> list[str]:
             problems.append(f"file {rel}: unreadable ({e.strerror})")
             continue
         entry = files[rel]
-        if not isinstance(entry, dict) or h.hexdigest() != entry.get("xxh3_128"):
-            problems.append(f"file {rel}: modified after encoding")
+        if (not isinstance(entry, dict) or h.hexdigest() != entry.get("xxh3_128")
+                or entry.get("bytes") != (folder / rel).stat().st_size):
+            problems.append(f"file {rel}: modified after encoding (or its manifest entry was)")
     return problems
 
 
@@ -118,12 +119,24 @@ def _compare_files(original, encoded) -> list[str]:
 
     problems = []
     meta = next(iter(encoded.shard_metadata.values()), {})
-    if (original.path / "config.json").exists() and "compress.source_config" in meta:
+    if (original.path / "config.json").exists() != ("compress.source_config" in meta):
+        problems.append("file config.json: present in only one of original and encoded metadata")
+    elif "compress.source_config" in meta:
         if (original.path / "config.json").read_bytes() != meta["compress.source_config"].encode("utf-8"):
             problems.append("file config.json: the original kept in the encoded checkpoint differs")
+    try:
+        kept_shards = json.loads(meta.get("compress.source_shard_metadata", "null"))
+        kept_index = json.loads(meta.get("compress.source_index", "null"))
+    except json.JSONDecodeError:
+        kept_shards = kept_index = "unreadable"
+    if kept_shards != original.shard_metadata:
+        problems.append("shard metadata: what the encoded checkpoint restores differs from the original's")
+    if kept_index != ((original.index.get("metadata") or {}) if original.index is not None else None):
+        problems.append("index: the metadata the encoded checkpoint restores differs from the original's")
     want = {str(p) for p in original.extra_files()}
     have = {str(p) for p in encoded.extra_files()}
     problems += [f"file {p}: missing from the encoded checkpoint" for p in sorted(want - have)]
+    problems += [f"file {p}: not in the original" for p in sorted(have - want)]
     for rel in sorted(want & have):
         a, b = (original.path / rel).read_bytes(), (encoded.path / rel).read_bytes()
         if rel == "config.json":

@@ -14,6 +14,7 @@ that lane ``l`` of tile ``t`` holds elements ``t*lanes*slice_size + i*lanes + l`
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,6 +329,23 @@ def parts_checksum(parts: list[np.ndarray]) -> str:
     return h.hexdigest()
 
 
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]*\.safetensors")
+
+
+def _check_record(where, name: str, record: Any) -> None:
+    """A record's fields have the types the spec gives; shard names are plain file names
+    (never a path, so decoding cannot write outside its output folder). Raises FormatError."""
+    from compress.checkpoint import DTYPES
+
+    ok = (isinstance(record, dict) and record.get("codec") in ("raw", FORMAT_NAME) and record.get("dtype") in DTYPES
+          and isinstance(record.get("shape"), list)
+          and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in record["shape"])
+          and isinstance(record.get("shard"), str) and _SHARD_NAME.fullmatch(record["shard"]) is not None
+          and isinstance(record.get("xxh3_128"), str))
+    if not ok:
+        raise FormatError(f"{where}: malformed record for tensor {name!r} (codec, dtype, shape, shard or checksum)")
+
+
 class EncodedCheckpoint:
     """Reads a checkpoint written by ``compress encode ecf8`` and decodes it tensor by tensor.
 
@@ -351,15 +369,24 @@ class EncodedCheckpoint:
             if meta.get("compress.format") != FORMAT_NAME:
                 raise FormatError(f"{checkpoint.path / shard}: not an ecf8 checkpoint (metadata compress.format="
                                   f"{meta.get('compress.format')!r}); encode it with `compress encode ecf8`")
-            version = int(meta.get("compress.format_version", "0"))
+            version_text = meta.get("compress.format_version", "0")
+            if not version_text.isdigit():
+                raise FormatError(f"{checkpoint.path / shard}: bad compress.format_version {version_text!r}")
+            version = int(version_text)
             if version > FORMAT_VERSION:
                 raise FormatError(f"{checkpoint.path / shard}: ecf8 format version {version} is newer than this "
                                   f"compress supports ({FORMAT_VERSION}); upgrade compress")
             try:
-                self.records.update(json.loads(meta.get("compress.tensors", "{}")))
-                self.source = json.loads(meta.get("compress.source", "{}")) or self.source
+                records = json.loads(meta.get("compress.tensors", "{}"))
+                source = json.loads(meta.get("compress.source", "{}"))
             except json.JSONDecodeError:
                 raise FormatError(f"{checkpoint.path / shard}: compress.tensors metadata is not valid JSON") from None
+            if not isinstance(records, dict) or not isinstance(source, dict):
+                raise FormatError(f"{checkpoint.path / shard}: compress.tensors / compress.source must be JSON objects")
+            for name, record in records.items():
+                _check_record(checkpoint.path / shard, name, record)
+            self.records.update(records)
+            self.source = source or self.source
         stored = set(checkpoint.tensors)
         order = {}
         for name in checkpoint.names():
@@ -453,22 +480,32 @@ def decode_checkpoint(encoded: EncodedCheckpoint, output_dir, *, overwrite: bool
         ``{"output": str, "tensors": int, "bytes": int}``.
 
     Raises:
-        VerificationError: a decoded tensor fails its checksum (nothing is written).
+        VerificationError: a file differs from the manifest, or a decoded tensor fails its
+            checksum (nothing is written).
     """
     import json
 
     from compress.checkpoint import CheckpointWriter
 
+    from compress.errors import VerificationError
+    from compress.eval.verify import check_manifest
+
     ck = encoded.checkpoint
+    problems = check_manifest(ck.path)
+    if problems:
+        raise VerificationError(f"{ck.source}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     meta = next(iter(ck.shard_metadata.values()), {})
     try:
         shard_meta = json.loads(meta.get("compress.source_shard_metadata", "{}"))
         index_meta = json.loads(meta.get("compress.source_index", "null"))
     except json.JSONDecodeError:
         raise FormatError(f"{ck.source}: compress.source_* metadata is not valid JSON") from None
+    if not (isinstance(shard_meta, dict) and all(_SHARD_NAME.fullmatch(k) and isinstance(v, dict) for k, v in shard_meta.items())
+            and (index_meta is None or isinstance(index_meta, dict))):
+        raise FormatError(f"{ck.source}: compress.source_shard_metadata / compress.source_index are malformed")
     total = 0
     with CheckpointWriter(output_dir, overwrite=overwrite, inputs=(ck.path,)) as writer:
-        writer.shard_metadata = {name: m if m else {} for name, m in shard_meta.items()}
+        writer.shard_metadata = {name: {str(k): str(v) for k, v in m.items()} for name, m in shard_meta.items()}
         for name, record in encoded.records.items():
             dtype, bits = encoded.read_array(name, backend=backend)
             writer.add({name: (dtype, tuple(bits.shape), bits)}, shard=record["shard"])

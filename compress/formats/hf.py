@@ -70,7 +70,14 @@ def _register() -> None:
                 from compress.errors import FormatError
 
                 raise FormatError("ecf8: transformers passed no checkpoint files to decode")
-            self._encoded = EncodedCheckpoint.open(Path(checkpoint_files[0]).parent)
+            from compress.errors import VerificationError
+            from compress.eval.verify import check_manifest
+
+            folder = Path(checkpoint_files[0]).parent
+            problems = check_manifest(folder)  # every file, raw-stored tensors and config included
+            if problems:
+                raise VerificationError(f"{folder}: {problems[0]}")
+            self._encoded = EncodedCheckpoint.open(folder)
             prefix = getattr(model, "base_model_prefix", "") or ""
             self._coded = set()
             for name, record in self._encoded.records.items():

@@ -37,12 +37,19 @@ def convert_checkpoint(source, output_dir, *, fp8: bool = False, max_shard_size=
     """
     import torch
 
-    from compress.checkpoint import FLOAT_DTYPES, CheckpointWriter, dtype_name
+    from compress.checkpoint import CheckpointWriter
+    from compress.errors import ConfigError
 
+    if any(m.get("compress.format") for m in source.shard_metadata.values()):
+        raise ConfigError(f"{source.source} is a compress checkpoint; `compress decode` it first")
+    names = set(source.names())
     with CheckpointWriter(output_dir, max_shard_size=max_shard_size, overwrite=overwrite, inputs=(source.path,)) as writer:
         count = 0
         for name in source.names():
-            if fp8 and source.info(name).dtype in FLOAT_DTYPES and len(source.info(name).shape) >= 2:
+            info = source.info(name)
+            if fp8 and info.dtype in ("F32", "F16", "BF16", "F64") and len(info.shape) >= 2 and info.numel:
+                if f"{name}_scale_inv" in names:
+                    raise ConfigError(f"tensor {name!r} already has a {name}_scale_inv tensor; the input is already FP8")
                 q, scale = quantize_fp8(source.get(name))
                 writer.add({name: ("F8_E4M3", tuple(q.shape), q.view(torch.uint8).numpy()),
                             f"{name}_scale_inv": ("F32", (1,), scale.numpy())})

@@ -287,7 +287,7 @@ def encode_checkpoint(source, output_dir, config: ECF8Config = ECF8Config(), *, 
             "compress.source": json.dumps({"source": source.source, "dtype": source.cast}),
             "compress.recipe": json.dumps([{"ecf8": config.model_dump()}]),
             "compress.source_shard_metadata": json.dumps(source.shard_metadata, sort_keys=True),
-            "compress.source_index": json.dumps(source.index.get("metadata") if source.index else None)}
+            "compress.source_index": json.dumps((source.index.get("metadata") or {}) if source.index is not None else None)}
     if config_path.exists():
         source.config()  # a JSON object, or FormatError
         meta["compress.source_config"] = config_path.read_bytes().decode("utf-8")

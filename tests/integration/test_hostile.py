@@ -120,3 +120,88 @@ def test_empty_config_is_kept(tmp_path):
     assert cli("encode", "ecf8", src, "-o", enc, "-q", "--verify").exit_code == 0
     assert cli("decode", enc, "-o", dec, "-q").exit_code == 0
     assert (dec / "config.json").read_text() == "{}"
+
+
+def rewrite_header(path, change):
+    """Rewrite a safetensors header through ``change(header_dict)``, keeping the data."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    change(header)
+    new = json.dumps(header).encode()
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+
+
+def test_decode_refuses_tampering_and_paths_outside_the_output(tmp_path):
+    src = tiny(tmp_path / "src")
+    enc = tmp_path / "enc"
+    assert cli("encode", "ecf8", src, "-o", enc, "-q").exit_code == 0
+    bad = tmp_path / "bad"
+    shutil.copytree(enc, bad)
+    (bad / "tokenizer.json").write_text("{}")  # not in the manifest
+    r = cli("decode", bad, "-o", tmp_path / "d1")
+    assert r.exit_code == 3 and not (tmp_path / "d1").exists()
+
+    def escape(header):
+        records = json.loads(header["__metadata__"]["compress.tensors"])
+        for record in records.values():
+            record["shard"] = "../PWNED.safetensors"
+        header["__metadata__"]["compress.tensors"] = json.dumps(records)
+
+    trav = tmp_path / "trav"
+    shutil.copytree(enc, trav)
+    (trav / "compress_manifest.json").unlink()
+    rewrite_header(trav / "model.safetensors", escape)
+    r = cli("decode", trav, "-o", tmp_path / "out" / "d2")
+    assert r.exit_code != 0 and not (tmp_path / "out" / "PWNED.safetensors").exists()
+    assert not (tmp_path / "PWNED.safetensors").exists()
+
+
+def test_manifest_sizes_and_one_way_differences_fail_verify(tmp_path):
+    src = tiny(tmp_path / "src")
+    enc = tmp_path / "enc"
+    assert cli("encode", "ecf8", src, "-o", enc, "-q").exit_code == 0
+    bad = tmp_path / "bad"
+    shutil.copytree(enc, bad)
+    manifest = json.loads((bad / "compress_manifest.json").read_text())
+    manifest["files"]["config.json"]["bytes"] += 1
+    from compress.checkpoint import manifest_text
+
+    (bad / "compress_manifest.json").write_text(manifest_text(manifest["files"]))
+    assert cli("verify", src, bad).exit_code == 3
+    richer = tmp_path / "richer"
+    shutil.copytree(src, richer)
+    (richer / "EXTRA.txt").write_text("x")
+    enc2 = tmp_path / "enc2"
+    assert cli("encode", "ecf8", richer, "-o", enc2, "-q").exit_code == 0
+    assert cli("verify", src, enc2).exit_code == 3  # it would not decode to the original
+    assert cli("verify", src, tmp_path / "nowhere").exit_code == 2
+    assert cli("verify", src, src).exit_code == 1  # not a compress output: a format error
+
+
+def test_convert_refusals(tmp_path):
+    src = tiny(tmp_path / "src")
+    enc, fp8 = tmp_path / "enc", tmp_path / "fp8"
+    assert cli("encode", "ecf8", src, "-o", enc, "-q").exit_code == 0
+    assert cli("convert", enc, "-o", tmp_path / "c").exit_code == 2
+    assert cli("convert", src, "-o", fp8, "--dtype", "float8_e4m3fn", "-q").exit_code == 0
+    assert cli("convert", fp8, "-o", tmp_path / "again", "--dtype", "float8_e4m3fn", "-q").exit_code == 0
+    a, b = Checkpoint.open(fp8), Checkpoint.open(tmp_path / "again")  # FP8 input: nothing to do
+    assert a.names() == b.names() and all(np.array_equal(a.read_bytes(n), b.read_bytes(n)) for n in a.names())
+    clash = tmp_path / "clash"
+    with CheckpointWriter(clash) as wr:
+        wr.add({"w": ("F32", (4, 4), np.ones((4, 4), np.float32)), "w_scale_inv": ("F32", (1,), np.ones(1, np.float32))})
+        wr.commit()
+    r = cli("convert", clash, "-o", tmp_path / "c2", "--dtype", "float8_e4m3fn")
+    assert r.exit_code == 2 and "already FP8" in r.output
+
+
+def test_a_lone_shard_with_an_index_keeps_its_index(tmp_path):
+    src = tiny(tmp_path / "src")
+    (src / "model.safetensors").rename(src / "model-00001-of-00001.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: "model-00001-of-00001.safetensors" for n in Checkpoint.open(src).names()}}))
+    enc, dec = tmp_path / "enc", tmp_path / "dec"
+    assert cli("encode", "ecf8", src, "-o", enc, "-q", "--verify").exit_code == 0
+    assert cli("decode", enc, "-o", dec, "-q").exit_code == 0
+    assert (dec / "model.safetensors.index.json").exists() and (dec / "model-00001-of-00001.safetensors").exists()

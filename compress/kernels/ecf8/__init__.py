@@ -38,6 +38,35 @@ def _int_dtype(bits: int):
     return {8: torch.uint8, 16: torch.int16, 32: torch.int32}[bits]
 
 
+def check_backend(backend: str, device: str | None = None) -> str:
+    """Resolve ``backend`` for ``device`` without decoding anything.
+
+    Returns:
+        ``"cpu"``, ``"torch"`` or ``"triton"``.
+
+    Raises:
+        ConfigError: unknown backend. UnsupportedError: triton without a CUDA device (unless
+        ``TRITON_INTERPRET=1``).
+    """
+    import os
+
+    if backend == "auto":
+        return "triton" if device is not None and str(device).startswith("cuda") else "cpu"
+    if backend not in ("cpu", "torch", "triton"):
+        from compress.errors import ConfigError
+
+        raise ConfigError(f"unknown backend {backend!r} (auto, cpu, torch, triton)")
+    if backend == "triton" and device is None and os.environ.get("TRITON_INTERPRET") != "1":
+        import torch
+
+        if not torch.cuda.is_available():
+            from compress.errors import UnsupportedError
+
+            raise UnsupportedError("the triton backend needs a CUDA device (or TRITON_INTERPRET=1 to run it on "
+                                   "the CPU, slowly); use --backend cpu")
+    return backend
+
+
 def decode(ct, lut: np.ndarray, backend: str = "auto", device: str | None = None):
     """Decode a :class:`compress.formats.ecf8.CodedTensor` with the chosen backend.
 
@@ -49,26 +78,15 @@ def decode(ct, lut: np.ndarray, backend: str = "auto", device: str | None = None
     layout = ct.layout  # mantissa_bits below: the mantissa bits left in the raw field
     kwargs = dict(numel=ct.numel, slice_size=ct.slice_size, lanes=ct.lanes, bits=layout.bits,
                   mantissa_bits=max(ct.raw_bits - 1, 0), raw_bits=ct.raw_bits)
-    if backend == "auto":
-        backend = "triton" if device is not None and str(device).startswith("cuda") else "cpu"
+    backend = check_backend(backend, device)
     if backend == "cpu":
         from compress.kernels.ecf8 import cpu
 
         return cpu.decode_slices(ct.codes, ct.sign_mantissa, starts, lut, **kwargs).reshape(ct.shape)
-    import os
-
     import torch
 
     if backend == "triton" and device is None:
-        if torch.cuda.is_available():
-            device = "cuda"
-        elif os.environ.get("TRITON_INTERPRET") == "1":
-            device = "cpu"
-        else:
-            from compress.errors import UnsupportedError
-
-            raise UnsupportedError("the triton backend needs a CUDA device (or TRITON_INTERPRET=1 to run it on "
-                                   "the CPU, slowly); use --backend cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1 (check_backend)
     dev = torch.device(device or "cpu")
     args = [torch.from_numpy(a).to(dev) for a in (ct.codes, ct.sign_mantissa, starts, lut)]
     if backend == "torch":
@@ -79,6 +97,4 @@ def decode(ct, lut: np.ndarray, backend: str = "auto", device: str | None = None
         from compress.kernels.ecf8 import triton as tkernel
 
         return tkernel.decode_slices(*args, **kwargs).reshape(ct.shape)
-    from compress.errors import ConfigError
-
-    raise ConfigError(f"unknown backend {backend!r} (auto, cpu, torch, triton)")
+    raise AssertionError(backend)  # check_backend admits nothing else

@@ -416,11 +416,6 @@ class Checkpoint:
         dtype, arr = self.read_array(name)
         return torch.from_numpy(arr.view(_np_signed(dtype))).view(torch_dtype(dtype))
 
-    def dtype_of(self, name: str) -> str:
-        """The dtype a read of ``name`` returns (the cast applied)."""
-        dtype = self.info(name).dtype
-        return self.cast if self.cast and dtype in FLOAT_DTYPES else dtype
-
     def config(self) -> dict[str, Any]:
         """``config.json`` as a dict ({} when absent)."""
         path = self.path / "config.json"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
-import re
 import sys
 from pathlib import Path
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

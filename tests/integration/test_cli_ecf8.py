@@ -180,3 +180,17 @@ def test_help_is_fast_and_module_entry_point_works():
     assert time.perf_counter() - start < 1.5
     assert "torch" not in subprocess.run([sys.executable, "-c", "import sys, compress.cli.main; print(sorted(sys.modules))"],
                                          capture_output=True, text=True).stdout
+
+
+def test_sharded_input_and_output_round_trip(minilm_fp32, tmp_path):
+    sharded, enc, dec = tmp_path / "sharded", tmp_path / "enc", tmp_path / "dec"
+    assert cli("convert", minilm_fp32, "-o", sharded, "--max-shard-size", "30MB", "-q").exit_code == 0
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(shards) >= 3 and (sharded / "model.safetensors.index.json").exists()
+    assert cli("encode", "ecf8", sharded, "-o", enc, "--max-shard-size", "20MB", "-q", "--verify").exit_code == 0
+    assert len(list(enc.glob("*.safetensors"))) >= 3 and (enc / "model.safetensors.index.json").exists()
+    assert cli("decode", enc, "-o", dec, "-q").exit_code == 0
+    assert sorted(p.name for p in dec.glob("*.safetensors")) == shards  # the original shard names
+    assert json.loads((dec / "model.safetensors.index.json").read_text())["weight_map"] == \
+        json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    assert_same_tensors(sharded, dec)

@@ -36,7 +36,6 @@ def verify_checkpoint(original, encoded, *, backend: str = "auto", progress=None
         :class:`VerifyReport`; the CLI exits 3 when ``ok`` is false.
     """
     from compress.errors import CompressError
-    from compress.formats.ecf8 import checksum
 
     problems: list[str] = []
     want, have = set(original.names()), set(encoded.records)
@@ -49,7 +48,7 @@ def verify_checkpoint(original, encoded, *, backend: str = "auto", progress=None
             problems.append(f"{name}: index says shard {record.get('shard')!r}, original has {original.info(name).shard!r}")
         dtype, ref = original.read_array(name)
         try:
-            got_dtype, got = encoded.read_array(name, backend=backend, check=False)
+            got_dtype, got = encoded.read_array(name, backend=backend)  # parts and result checksums too
         except CompressError as e:
             problems.append(f"{name}: cannot decode ({e})")
             continue
@@ -58,10 +57,6 @@ def verify_checkpoint(original, encoded, *, backend: str = "auto", progress=None
         elif not np.array_equal(got.reshape(-1).view(np.uint8), ref.reshape(-1).view(np.uint8)):
             diff = int(np.count_nonzero(got.reshape(-1) != ref.reshape(-1)))
             problems.append(f"{name}: {diff} of {ref.size} values differ")
-        elif checksum(got) != record.get("xxh3_128"):
-            problems.append(f"{name}: stored checksum does not match the decoded tensor")
-        if not encoded.parts_ok(name):
-            problems.append(f"{name}: stored parts do not match their checksum (file modified)")
         count += 1
         total += ref.nbytes
         if progress:

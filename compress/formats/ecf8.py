@@ -414,21 +414,21 @@ class EncodedCheckpoint:
 
         return cls(Checkpoint.open(source, revision=revision))
 
-    def coded(self, name: str) -> CodedTensor | None:
-        """The :class:`CodedTensor` of ``name``, or None if it is stored raw."""
+    def coded(self, name: str, check: bool = False) -> CodedTensor | None:
+        """The :class:`CodedTensor` of ``name``, or None if it is stored raw.
+
+        Raises:
+            VerificationError: with ``check``, the parts do not hash to ``parts_xxh3_128``.
+        """
         record = self.records[name]
         if record.get("codec") == "raw":
             return None
         parts = {p: self.checkpoint.read_bytes(p) for p in self._parts[name]}
-        return CodedTensor.from_parts(name, record, parts)
+        if check and parts_checksum([parts[name + s] for s in SUFFIXES if name + s in parts]) != record.get("parts_xxh3_128"):
+            from compress.errors import VerificationError
 
-    def parts_ok(self, name: str) -> bool:
-        """True if the stored parts of ``name`` hash to the recorded ``parts_xxh3_128``."""
-        record = self.records[name]
-        if record.get("codec") == "raw":
-            return True
-        ordered = [name + s for s in SUFFIXES if name + s in self.checkpoint.tensors]
-        return parts_checksum([self.checkpoint.read_bytes(p) for p in ordered]) == record.get("parts_xxh3_128")
+            raise VerificationError(f"tensor {name!r}: stored parts do not match their checksum (file modified)")
+        return CodedTensor.from_parts(name, record, parts)
 
     def stored_bytes(self, name: str) -> int:
         """Bytes this tensor takes in the encoded checkpoint (all its parts)."""
@@ -440,16 +440,16 @@ class EncodedCheckpoint:
         Args:
             name: original tensor name.
             backend: decode backend (see :func:`decode`); GPU results are copied to the CPU.
-            check: compare the xxh3-128 checksum of the result with the stored one.
+            check: compare the stored parts and the result with their xxh3-128 checksums.
 
         Raises:
-            VerificationError: the checksum does not match (corrupt file).
+            VerificationError: a checksum does not match (corrupt file).
         """
         from compress.checkpoint import DTYPES
         from compress.errors import VerificationError
 
         record = self.records[name]
-        ct = self.coded(name)
+        ct = self.coded(name, check=check)
         if ct is None:
             dtype, bits = self.checkpoint.read_array(name)
         else:

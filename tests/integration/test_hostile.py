@@ -36,6 +36,13 @@ def tiny(path, config_text='{"model_type": "toy",\r\n    "quantization_config": 
     return path
 
 
+def encoded_tiny(tmp_path):
+    """The tiny checkpoint and its ecf8 encoding: (src, enc)."""
+    src, enc = tiny(tmp_path / "src"), tmp_path / "enc"
+    assert cli("encode", "ecf8", src, "-o", enc, "-q").exit_code == 0
+    return src, enc
+
+
 def test_everything_round_trips_byte_for_byte(tmp_path):
     src = tiny(tmp_path / "src", extra={"2_Dense/config.json": "{}", "training_args.bin": "x", ".gitattributes": "*"})
     enc, dec = tmp_path / "enc", tmp_path / "dec"
@@ -51,9 +58,7 @@ def test_everything_round_trips_byte_for_byte(tmp_path):
 
 
 def test_verify_catches_any_change_to_the_encoded_folder(tmp_path):
-    src = tiny(tmp_path / "src")
-    enc = tmp_path / "enc"
-    assert cli("encode", "ecf8", src, "-o", enc, "-q").exit_code == 0
+    src, enc = encoded_tiny(tmp_path)
     assert cli("verify", src, enc).exit_code == 0
 
     def tampered(name, change):
@@ -99,7 +104,6 @@ def test_refusals_are_one_line_usage_errors(tmp_path):
 
 
 def test_an_output_that_appears_meanwhile_is_not_deleted(tmp_path):
-    src = tiny(tmp_path / "src")
     out = tmp_path / "out"
     from compress.errors import ConfigError
 
@@ -111,7 +115,6 @@ def test_an_output_that_appears_meanwhile_is_not_deleted(tmp_path):
     with pytest.raises(ConfigError, match="appeared"):
         writer.publish()
     assert (out / "thesis.txt").read_text() == "mine" and not writer.tmp.exists()
-    assert src.exists()
 
 
 def test_empty_config_is_kept(tmp_path):
@@ -132,10 +135,19 @@ def rewrite_header(path, change):
     path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
 
 
+def reseal(folder):
+    """Rewrite a folder's manifest to match its files, as an attacker could."""
+    import xxhash
+
+    from compress.checkpoint import MANIFEST_NAME, manifest_text
+
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "xxh3_128": xxhash.xxh3_128(p.read_bytes()).hexdigest()}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_NAME}
+    (folder / MANIFEST_NAME).write_text(manifest_text(files))
+
+
 def test_decode_refuses_tampering_and_paths_outside_the_output(tmp_path):
-    src = tiny(tmp_path / "src")
-    enc = tmp_path / "enc"
-    assert cli("encode", "ecf8", src, "-o", enc, "-q").exit_code == 0
+    src, enc = encoded_tiny(tmp_path)
     bad = tmp_path / "bad"
     shutil.copytree(enc, bad)
     (bad / "tokenizer.json").write_text("{}")  # not in the manifest
@@ -150,17 +162,16 @@ def test_decode_refuses_tampering_and_paths_outside_the_output(tmp_path):
 
     trav = tmp_path / "trav"
     shutil.copytree(enc, trav)
-    (trav / "compress_manifest.json").unlink()
     rewrite_header(trav / "model.safetensors", escape)
+    reseal(trav)  # a consistent manifest: only the shard-name rule stands in the way
     r = cli("decode", trav, "-o", tmp_path / "out" / "d2")
-    assert r.exit_code != 0 and not (tmp_path / "out" / "PWNED.safetensors").exists()
+    assert r.exit_code == 1 and "malformed record" in r.output
+    assert not (tmp_path / "out" / "PWNED.safetensors").exists()
     assert not (tmp_path / "PWNED.safetensors").exists()
 
 
 def test_manifest_sizes_and_one_way_differences_fail_verify(tmp_path):
-    src = tiny(tmp_path / "src")
-    enc = tmp_path / "enc"
-    assert cli("encode", "ecf8", src, "-o", enc, "-q").exit_code == 0
+    src, enc = encoded_tiny(tmp_path)
     bad = tmp_path / "bad"
     shutil.copytree(enc, bad)
     manifest = json.loads((bad / "compress_manifest.json").read_text())
@@ -180,9 +191,8 @@ def test_manifest_sizes_and_one_way_differences_fail_verify(tmp_path):
 
 
 def test_convert_refusals(tmp_path):
-    src = tiny(tmp_path / "src")
-    enc, fp8 = tmp_path / "enc", tmp_path / "fp8"
-    assert cli("encode", "ecf8", src, "-o", enc, "-q").exit_code == 0
+    src, enc = encoded_tiny(tmp_path)
+    fp8 = tmp_path / "fp8"
     assert cli("convert", enc, "-o", tmp_path / "c").exit_code == 2
     assert cli("convert", src, "-o", fp8, "--dtype", "float8_e4m3fn", "-q").exit_code == 0
     assert cli("convert", fp8, "-o", tmp_path / "again", "--dtype", "float8_e4m3fn", "-q").exit_code == 0

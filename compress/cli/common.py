@@ -24,6 +24,17 @@ OverwriteOpt = typer.Option(False, "--overwrite", help="Replace an existing outp
 RevisionOpt = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) for Hub ids.")
 
 
+def group(app: typer.Typer, name: str, help: str) -> typer.Typer:
+    """The sub-command group ``name`` of ``app`` (``compress encode``, ``compress quantize``, ...),
+    made on first use so several modules can add commands to one group."""
+    for info in app.registered_groups:
+        if info.name == name:
+            return info.typer_instance
+    sub = typer.Typer(no_args_is_help=True, help=help)
+    app.add_typer(sub, name=name)
+    return sub
+
+
 def fail(message: str, code: int, json_out: bool = False) -> None:
     """Print one error line on stderr (and, under --json, ``{"error", "exit_code"}`` on stdout); exit."""
     stderr.print(f"[red]error:[/red] {message}", soft_wrap=True, markup=True)

@@ -262,3 +262,14 @@ def convert(
         emit_json(result)
     else:
         stdout.print(f"wrote {result['tensors']} tensors to {result['output']}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``encode ecf8``, ``decode``, ``verify``, ``inspect`` and ``convert`` to ``app``."""
+    from compress.cli.common import group
+
+    group(app, "encode", "Encode a checkpoint into a lossless compress format.").command("ecf8")(encode)
+    app.command("decode")(decode)
+    app.command("verify")(verify)
+    app.command("inspect")(inspect)
+    app.command("convert")(convert)

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 import typer
 
-from compress.cli import ecf8
+import compress.cli
 
 app = typer.Typer(name="compress", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="Compress Hugging Face checkpoints: lossless ECF8 coding, verification, inspection.")
-encode_app = typer.Typer(no_args_is_help=True, help="Encode a checkpoint into a compress format.")
-app.add_typer(encode_app, name="encode")
-encode_app.command("ecf8")(ecf8.encode)
-app.command("decode")(ecf8.decode)
-app.command("verify")(ecf8.verify)
-app.command("inspect")(ecf8.inspect)
-app.command("convert")(ecf8.convert)
+                  help="Compress Hugging Face checkpoints: lossless coding, quantization, pruning, merging, "
+                       "fingerprints, distillation, evaluation.")
+
+
+def _register_all() -> None:
+    """Import every command module in ``compress.cli`` and call its ``register(app)``.
+
+    A new method adds one module here and touches nothing else. Modules import heavy libraries
+    (torch, transformers) inside their commands only, so ``compress --help`` stays fast.
+    """
+    for info in sorted(pkgutil.iter_modules(compress.cli.__path__), key=lambda m: m.name):
+        if info.name in ("main", "common"):
+            continue
+        module = importlib.import_module(f"compress.cli.{info.name}")
+        if hasattr(module, "register"):
+            module.register(app)
+
+
+_register_all()
 
 
 def main() -> None:

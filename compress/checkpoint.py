@@ -718,3 +718,46 @@ class CheckpointWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None or self.tmp.exists():  # an error, or finished but never published
             self.abort()
+
+
+def save_model(model, output_dir: str | os.PathLike, *, tokenizer=None, overwrite: bool = False,
+               inputs: tuple[Path, ...] = (), text_files: dict[str, str] | None = None,
+               max_shard_size: int | str = "5GB") -> Path:
+    """Save an in-memory transformers model as a plain HF checkpoint, atomically.
+
+    For transforms whose result is a model in memory (pruning, distillation, fingerprint
+    insertion, merging): ``save_pretrained`` writes into a temporary folder beside
+    ``output_dir``, which is renamed into place only when complete (same rules as
+    :class:`CheckpointWriter`: an existing output is refused unless ``overwrite``; an output
+    inside an input is refused).
+
+    Args:
+        model: a ``PreTrainedModel``.
+        output_dir: the folder to create.
+        tokenizer: saved beside the weights when given.
+        overwrite: replace an existing ``output_dir``.
+        inputs: input folders the output must not be inside of.
+        text_files: extra files to write, relative path -> UTF-8 text (e.g. a report JSON, README.md).
+        max_shard_size: largest shard, e.g. ``"5GB"``.
+
+    Returns:
+        ``output_dir``, resolved.
+
+    Raises:
+        ConfigError: the output exists (without ``overwrite``) or is inside an input.
+    """
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with CheckpointWriter(output_dir, overwrite=overwrite, inputs=inputs) as writer:
+            model.save_pretrained(writer.tmp, safe_serialization=True, max_shard_size=parse_size(max_shard_size))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(writer.tmp)
+            for rel, text in (text_files or {}).items():
+                writer.write_text(rel, text)
+            return writer.publish()
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()

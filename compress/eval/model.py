@@ -80,6 +80,18 @@ def set_precision(model, bits: int | None) -> int:
     return len(layers)
 
 
+def _check_causal(source, config: dict) -> None:
+    """Refuse checkpoints whose architectures are not causal LMs (an encoder such as BERT would load
+    as a randomly-headed ``BertLMHeadModel`` and give a meaningless perplexity)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = config.get("architectures") or []
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if archs and not any(a in causal or a.endswith("ForCausalLM") for a in archs):
+        raise UnsupportedError(f"{source}: not a causal language model (architectures {archs}); "
+                               "perplexity needs a next-token model")
+
+
 def load_causal_lm(source: str | os.PathLike, *, revision: str | None = None, dtype: str | None = None,
                    device: str = "cpu", bits: int | None = None, trust_remote_code: bool = False) -> LoadedModel:
     """Load a causal LM from any source :meth:`compress.checkpoint.Checkpoint.open` accepts.
@@ -111,7 +123,9 @@ def load_causal_lm(source: str | os.PathLike, *, revision: str | None = None, dt
     try:
         path = ckpt.path
         size = weight_bytes(path)
-        quant = (ckpt.config().get("quantization_config") or {}).get("quant_method")
+        config = ckpt.config()
+        quant = (config.get("quantization_config") or {}).get("quant_method")
+        _check_causal(source, config)
         verbosity = hf_logging.get_verbosity()
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.set_verbosity_error()

@@ -54,10 +54,13 @@ def tokenize(tokenizer, text: str, max_tokens: int | None = None):
         ids (Tensor[n], int64), at most ``max_tokens`` long.
     """
     import torch
+    from transformers.utils import logging as hf_logging
 
     # Tokenize in pieces so a multi-MB file never builds one huge string batch; pieces end at line breaks.
     ids: list[int] = []
     start, piece = 0, 200_000
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # no "longer than the maximum sequence length" warning: windows are cut below
     while start < len(text) and (max_tokens is None or len(ids) < max_tokens):
         end = min(len(text), start + piece)
         if end < len(text):
@@ -65,6 +68,7 @@ def tokenize(tokenizer, text: str, max_tokens: int | None = None):
             end = nl + 1 if nl > start else end
         ids.extend(tokenizer(text[start:end], add_special_tokens=False)["input_ids"])
         start = end
+    hf_logging.set_verbosity(verbosity)
     out = torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
     return out
 

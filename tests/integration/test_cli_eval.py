@@ -1,0 +1,89 @@
+"""`compress eval` end to end on real SmolLM2: perplexity bounds, the compare gate, generation, bad input."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from compress.cli.main import app
+from conftest import SHARED
+
+pytestmark = pytest.mark.integration
+runner = CliRunner()
+EVAL = SHARED / "data" / "wikitext2_test_eval.txt"
+WINDOWS = ["--text", EVAL, "--tokens", 1024, "--seq-len", 256]  # 4 windows, 1020 scored tokens
+
+
+def cli(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def smollm2_noisy(smollm2_bf16, tmp_path_factory):
+    """SmolLM2 with Gaussian noise (2% of each weight's std) on every decoder linear: a lossy candidate."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.checkpoint import save_model
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_bf16, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".layers." in name and p.ndim == 2:
+                p.add_((torch.randn(p.shape, generator=gen) * p.float().std() * 0.02).to(p.dtype))
+    out = tmp_path_factory.mktemp("noisy") / "model"
+    return save_model(model, out, tokenizer=AutoTokenizer.from_pretrained(smollm2_bf16))
+
+
+def test_perplexity_on_real_text(smollm2_bf16):
+    r = cli("eval", "perplexity", smollm2_bf16, *WINDOWS, "--json")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["tokens"] == 4 * 255 and rep["windows"] == 4 and rep["seq_len"] == 256
+    assert 20 < rep["perplexity"] < 60, rep  # measured 36.0 (SmolLM2-135M bf16, fp32 compute)
+    assert rep["ci_low"] < rep["perplexity"] < rep["ci_high"]
+    assert rep["tokens_per_s"] > 0 and rep["size_bytes"] > 200e6
+
+
+def test_compare_is_exact_for_lossless_and_gates_lossy(smollm2_bf16, smollm2_noisy, tmp_path):
+    enc = tmp_path / "enc"
+    assert cli("encode", "ecf8", smollm2_bf16, "-o", enc, "--quiet").exit_code == 0
+    r = cli("eval", "compare", smollm2_bf16, enc, *WINDOWS, "--max-ppl-increase", 0, "--json")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["ppl_increase"] == 0.0 and rep["top1_agreement"] == 1.0 and rep["passed"]
+    assert 0.6 < rep["size_ratio"] < 0.7  # ECF8 on bf16
+    r = cli("eval", "compare", smollm2_bf16, smollm2_noisy, *WINDOWS, "--json")
+    assert r.exit_code == 0, r.output
+    noisy = json.loads(r.stdout)
+    assert 0 < noisy["ppl_increase"] < 0.2 and 0.8 < noisy["top1_agreement"] < 1.0, noisy
+    lo, hi = noisy["ppl_increase_ci"]
+    assert lo < noisy["ppl_increase"] < hi
+    r = cli("eval", "compare", smollm2_bf16, smollm2_noisy, *WINDOWS, "--max-ppl-increase", noisy["ppl_increase"] / 2)
+    assert r.exit_code == 3, r.output
+    assert "more than --max-ppl-increase" in r.output
+    r = cli("eval", "compare", smollm2_bf16, smollm2_noisy, *WINDOWS, "--max-ppl-increase", noisy["ppl_increase"] * 2)
+    assert r.exit_code == 0, r.output
+
+
+def test_generate_greedy(smollm2_bf16):
+    r = cli("eval", "generate", smollm2_bf16, "-p", "The capital of France is", "--max-new-tokens", 6, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)["generations"][0]["completion"]
+    assert "Paris" in out, out
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["perplexity", "{m}", "--text", "/nonexistent.txt"], 2, "no such text file"),
+    (["perplexity", "{m}", "--text", EVAL, "--bits", 3], 2, "no multi-precision layers"),
+    (["perplexity", "/nonexistent-model", "--text", EVAL], 2, "no such file or folder"),
+    (["perplexity", "{minilm}", "--text", EVAL], 2, "not a causal language model"),
+    (["perplexity", "{m}", "--text", EVAL, "--tokens", 100, "--seq-len", 512], 2, "less than one window"),
+    (["compare", "{m}", "{minilm}", "--text", EVAL], 2, "not a causal language model"),
+])
+def test_bad_input(args, code, message, smollm2_bf16, minilm_fp32):
+    args = [str(a).format(m=smollm2_bf16, minilm=minilm_fp32) for a in args]
+    r = cli("eval", *args)
+    assert r.exit_code == code, r.output
+    assert message in r.output and "Traceback" not in r.output

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+from pydantic import BaseModel
 
 from compress.errors import ConfigError, FormatError
 
@@ -761,3 +762,101 @@ def save_model(model, output_dir: str | os.PathLike, *, tokenizer=None, overwrit
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+
+
+class UploadReport(BaseModel):
+    """What :func:`push_to_hub` sent (or would send, with ``dry_run``)."""
+
+    repo_id: str
+    revision: str | None
+    files: list[str]
+    bytes: int
+    manifest_checked: bool
+    generated_card: bool
+    dry_run: bool
+    url: str | None = None
+
+
+def model_card(folder: Path, repo_id: str) -> str:
+    """A minimal model card for a folder without README.md: the format it is in and how to load it."""
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    lines = ["---", "library_name: transformers", "tags:", "- compress"] + ([f"- {method}"] if method else []) + ["---", "",
+             f"# {repo_id.split('/')[-1]}", ""]
+    if method:
+        lines += [f"Stored in the `{method}` format of [compress](https://pypi.org/project/compress/). Load it with:", "",
+                  "```python", "import compress  # registers the format with transformers",
+                  "from transformers import AutoModelForCausalLM",
+                  f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")', "```", ""]
+    else:
+        lines += ["A plain Hugging Face checkpoint written by compress.", ""]
+    return "\n".join(lines)
+
+
+def push_to_hub(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None, private: bool = False,
+                commit_message: str | None = None, dry_run: bool = False, token: str | None = None) -> UploadReport:
+    """Upload a checkpoint folder to the Hugging Face Hub in one commit (``huggingface_hub``).
+
+    A folder with ``compress_manifest.json`` is checked against it first, so a damaged output is
+    never published. A folder without ``README.md`` gets a generated model card (the folder itself
+    is not modified). Files in hidden folders (``.git``, ``.cache``) are not sent.
+
+    Args:
+        folder: the checkpoint folder.
+        repo_id: ``org/name`` of the model repository (created if missing).
+        revision: branch to commit to (default: main).
+        private: create the repository private.
+        dry_run: list what would be sent; contact nothing.
+        token: Hub token (default: the logged-in one, or ``HF_TOKEN``).
+
+    Returns:
+        :class:`UploadReport`.
+
+    Raises:
+        ConfigError: the folder is missing or holds no weights, the id is malformed, or the Hub
+            refuses (offline, no token, no permission).
+        VerificationError: a file differs from the folder's manifest.
+    """
+    from compress.errors import VerificationError
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise ConfigError(f"{path}: no such folder")
+    if not _is_hub_id(repo_id):
+        raise ConfigError(f"{repo_id!r}: expected a Hub model id of the form org/name")
+    files = sorted(str(p.relative_to(path)) for p in path.rglob("*")  # hidden folders (.git, .cache) are not sent
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts[:-1]))
+    if not any(f.endswith((".safetensors", ".gguf")) for f in files):
+        raise ConfigError(f"{path}: holds no .safetensors weights; nothing to upload")
+    checked = (path / MANIFEST_NAME).exists()
+    if checked:
+        from compress.eval.verify import check_manifest
+
+        problems = check_manifest(path)
+        if problems:
+            raise VerificationError(f"{path}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                                    + "; not uploaded")
+    card = None if "README.md" in files else model_card(path, repo_id)
+    report = UploadReport(repo_id=repo_id, revision=revision, files=files + (["README.md"] if card else []),
+                          bytes=sum((path / f).stat().st_size for f in files) + len(card or ""),
+                          manifest_checked=checked, generated_card=card is not None, dry_run=dry_run)
+    if dry_run:
+        return report
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    api = HfApi(token=token)
+    ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(path / f)) for f in files]
+    if card:
+        ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")))
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        info = api.create_commit(repo_id, ops, commit_message=commit_message or f"Upload {path.name} with compress",
+                                 revision=revision)
+    except Exception as e:  # offline, no token, no permission: one line for the user
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise ConfigError(f"upload to {repo_id} failed: {type(e).__name__}: {first}; check `hf auth login` "
+                          "(or HF_TOKEN) and your connection") from None
+    report.url = getattr(info, "commit_url", None) or str(info)
+    return report

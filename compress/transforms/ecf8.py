@@ -344,3 +344,20 @@ def encode_checkpoint(source, output_dir, config: ECF8Config = ECF8Config(), *, 
                 return size_report(reports, files), checked
         writer.publish()
     return size_report(reports, files), checked
+
+
+def _apply(source, output_dir, config: ECF8Config, overwrite: bool):
+    """Recipe step: encode ``source`` into ``output_dir`` (see :func:`encode_checkpoint`)."""
+    from compress.checkpoint import Checkpoint
+
+    with Checkpoint.open(source) as ckpt:
+        return encode_checkpoint(ckpt, output_dir, config, overwrite=overwrite)[0]
+
+
+def _recipe_steps():
+    from compress.recipe import TransformSpec
+
+    return [TransformSpec(name="ecf8", config=ECF8Config, apply=_apply, lossless=True)]
+
+
+RECIPE_STEPS = _recipe_steps()

@@ -152,8 +152,14 @@ def _quantization(ckpt) -> str | None:
 
 def _open_source(source: str, dequantize: bool, stack):
     """Open ``source`` as a plain float checkpoint (dequantizing it into a temporary folder when allowed)."""
-    from compress.checkpoint import Checkpoint
+    from compress.checkpoint import Checkpoint, _resolve_package
 
+    if not dequantize:  # refuse a GGUF before paying for its dequantization
+        path = _resolve_package(source) if str(source).startswith("pkg:") else Path(source)
+        if (path.is_file() and path.suffix == ".gguf") or (
+                path.is_dir() and any(path.glob("*.gguf")) and not any(path.glob("*.safetensors"))):
+            raise UnsupportedError(f"{source} is quantized (GGUF); layer pruning needs float weights: pass --dequantize "
+                                   "to dequantize it first (bf16), or prune the unquantized model")
     ckpt = stack.enter_context(Checkpoint.open(source))
     kind = _quantization(ckpt)
     if kind is None or (kind == "GGUF" and dequantize):
@@ -242,6 +248,9 @@ def prune(source: str, output_dir: str | os.PathLike | None, config: PruneConfig
         raise ConfigError("give an output folder with -o/--output-dir (or use --dry-run)")
     if not dry_run and Path(output_dir).exists() and not overwrite:
         raise ConfigError(f"{Path(output_dir).resolve()} already exists; pass --overwrite to replace it")
+    from compress.eval.text import read_text
+
+    read_text(config.text)  # a bad --calib/--data file fails before any model is opened
     torch.manual_seed(config.seed)
     with contextlib.ExitStack() as stack:
         ckpt = _open_source(source, config.dequantize, stack)
@@ -260,9 +269,6 @@ def prune(source: str, output_dir: str | os.PathLike | None, config: PruneConfig
         if config.scope == "attention" and hf_config.get("model_type") != "llama":
             raise UnsupportedError(f"--scope attention supports Llama-family checkpoints (model_type llama), "
                                    f"not {hf_config.get('model_type')!r}; use --scope layer")
-        from compress.eval.text import read_text
-
-        read_text(config.text)  # a bad --calib/--data file fails before the model loads
         loaded = _load_model(ckpt.path, config.device)
         model, tokenizer = loaded.model, loaded.tokenizer
         t0 = time.perf_counter()

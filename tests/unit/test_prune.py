@@ -339,3 +339,24 @@ def test_attention_scope_tiny(tiny_with_tokenizer, calib, tmp_path):
         torch.testing.assert_close(pruned(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=1e-5)
         gen = pruned.generate(ids, max_new_tokens=4, do_sample=False)
     assert gen.shape == (1, 14)
+
+
+def test_dequantize_lossless_input(tiny_with_tokenizer, calib, tmp_path):
+    """An ECF8 (quantization_config) input is refused, and with --dequantize prunes to the same bytes
+    as the plain input (ECF8 is lossless)."""
+    import numpy as np
+
+    from compress.transforms.ecf8 import ECF8Config, encode_checkpoint
+
+    with Checkpoint.open(tiny_with_tokenizer) as src:
+        encode_checkpoint(src, tmp_path / "enc", ECF8Config())
+    cfg = PruneConfig(method="cosine", remove=1, text=calib, samples=2, seq_len=32)
+    with pytest.raises(UnsupportedError, match="quantized .*--dequantize"):
+        prune(str(tmp_path / "enc"), tmp_path / "a", cfg)
+    a = prune(str(tmp_path / "enc"), tmp_path / "a", cfg.model_copy(update={"dequantize": True}))
+    b = prune(str(tiny_with_tokenizer), tmp_path / "b", cfg)
+    assert a.removed == b.removed and a.scores == pytest.approx(b.scores, rel=1e-6)
+    ca, cb = Checkpoint.open(tmp_path / "a"), Checkpoint.open(tmp_path / "b")
+    assert sorted(ca.names()) == sorted(cb.names())
+    assert all(np.array_equal(ca.read_bytes(n), cb.read_bytes(n)) for n in ca.names())
+    assert "quantization_config" not in json.loads((tmp_path / "a" / "config.json").read_text())

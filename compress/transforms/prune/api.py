@@ -172,7 +172,8 @@ def _open_source(source: str, dequantize: bool, stack):
     from compress.checkpoint import save_model
     from compress.eval.model import load_causal_lm
 
-    loaded = load_causal_lm(source, dtype="BF16")  # eval_dtype takes safetensors names
+    stored = ckpt.config().get("dtype") or ckpt.config().get("torch_dtype") or "bfloat16"
+    loaded = load_causal_lm(source, dtype="F32")  # exact upcast; eval_dtype takes safetensors names
     model = loaded.model
     quantizer = getattr(model, "hf_quantizer", None)
     try:
@@ -186,6 +187,9 @@ def _open_source(source: str, dequantize: bool, stack):
     plain = all(type(m).__module__.startswith("torch.nn") for m in model.modules() if "Linear" in type(m).__name__)
     if not plain or getattr(model.config, "quantization_config", None):
         raise UnsupportedError(f"{source}: cannot dequantize {kind}: its layers are not plain linears after loading")
+    from compress.checkpoint import dtype_name, torch_dtype
+
+    model = model.to(torch_dtype(dtype_name(stored)))  # back to the stored float dtype (bit-exact for bf16/fp16)
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="compress-prune-"))
     save_model(model, Path(tmp) / "model", tokenizer=loaded.tokenizer)
     del model, loaded

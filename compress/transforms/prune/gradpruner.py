@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import Callable
 
 _LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.(.+)$")
@@ -52,8 +53,10 @@ def igia(model, input_ids, *, steps: int, rank: int = 8, alpha: int = 32, lr: fl
 
     torch.manual_seed(seed)
     accelerator = Accelerator(cpu=next(model.parameters()).device.type == "cpu")
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
-                                                  target_modules="all-linear", task_type="CAUSAL_LM"))
+    with warnings.catch_warnings():  # peft calls a transformers method deprecated for v6
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+                                                      target_modules="all-linear", task_type="CAUSAL_LM"))
     optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=lr)
     gen = torch.Generator().manual_seed(seed)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(input_ids), batch_size=batch_size,

@@ -14,3 +14,17 @@ from compress.transforms.prune.api import PruneConfig, PruneResult, prune
 from compress.transforms.prune.layers import RECORD_NAME, prune_config, remove_layers
 
 __all__ = ["PruneConfig", "PruneResult", "prune", "remove_layers", "prune_config", "RECORD_NAME"]
+
+
+def _apply(source, output_dir, config: PruneConfig, overwrite: bool) -> PruneResult:
+    """Recipe step ``prune``: :func:`prune` with the step's :class:`PruneConfig`."""
+    return prune(str(source), output_dir, config, overwrite=overwrite)
+
+
+def _recipe_steps():
+    from compress.recipe import TransformSpec
+
+    return [TransformSpec(name="prune", config=PruneConfig, apply=_apply)]
+
+
+RECIPE_STEPS = _recipe_steps()

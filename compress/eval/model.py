@@ -45,7 +45,7 @@ def weight_bytes(path: Path) -> int:
 def eval_dtype(dtype: str | None, device: str):
     """The torch dtype to compute in: float32 on CPU by default (bf16 matmul there is ~50x slower;
     bf16 weights upcast to fp32 exactly), the stored dtype (``"auto"``) on an accelerator."""
-    from compress.checkpoint import torch_dtype
+    from compress.checkpoint import dtype_name, torch_dtype
 
     if dtype is None or dtype == "auto":
         if device == "cpu":
@@ -54,9 +54,12 @@ def eval_dtype(dtype: str | None, device: str):
             return torch.float32
         return "auto"
     try:
-        return torch_dtype(dtype)
-    except Exception:
-        raise ConfigError(f"--dtype {dtype}: expected float32, bfloat16, float16 or auto") from None
+        name = dtype_name(dtype)
+    except ConfigError:
+        name = None
+    if name not in ("F32", "BF16", "F16"):
+        raise ConfigError(f"--dtype {dtype}: expected float32, bfloat16, float16 or auto")
+    return torch_dtype(name)
 
 
 def set_precision(model, bits: int | None) -> int:
@@ -124,6 +127,10 @@ def load_causal_lm(source: str | os.PathLike, *, revision: str | None = None, dt
         path = ckpt.path
         size = weight_bytes(path)
         config = ckpt.config()
+        if config.get("model_type") == "llama_attn_pruned":  # attention-only pruned Llama (docs/prune.md)
+            from compress.transforms.prune.attn_pruned_llama import register
+
+            register()
         quant = (config.get("quantization_config") or {}).get("quant_method")
         _check_causal(source, config)
         verbosity = hf_logging.get_verbosity()

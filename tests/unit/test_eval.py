@@ -72,3 +72,14 @@ def test_bad_text_and_sizes(tokenizer, tmp_path):
         eval_windows(tokenizer, "short text", seq_len=1)
     with pytest.raises(ConfigError, match="fewer than --seq-len"):
         calibration_batches(tokenizer, "short text", 4, 64)
+
+
+def test_eval_dtype_names():
+    import torch
+
+    from compress.eval.model import eval_dtype
+
+    assert eval_dtype(None, "cpu") is torch.float32 and eval_dtype(None, "cuda") == "auto"
+    assert eval_dtype("float32", "cpu") is torch.float32 and eval_dtype("bf16", "cpu") is torch.bfloat16
+    with pytest.raises(ConfigError, match="--dtype int8"):
+        eval_dtype("int8", "cpu")

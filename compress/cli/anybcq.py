@@ -35,9 +35,9 @@ def quantize_anybcq(
     group_size: int = typer.Option(128, "--group-size", help="Input columns per scale group (multiple of 32)."),
     calib: Optional[Path] = typer.Option(None, "--calib", dir_okay=False,
                                          help="Calibration text file (UTF-8); needed when --iters > 0."),
-    samples: int = typer.Option(16, "--samples", help="Calibration windows."),
-    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per calibration window."),
-    iters: int = typer.Option(20, "--iters", help="Adam steps of block reconstruction per block and precision; "
+    samples: int = typer.Option(8, "--samples", help="Calibration windows."),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per calibration window."),
+    iters: int = typer.Option(10, "--iters", help="Adam steps of block reconstruction per block and precision; "
                                                   "0 = calibration-free."),
     ignore: Optional[list[str]] = typer.Option(None, "--ignore", help="Leave matching linears unquantized (glob on the "
                                                "module name, or re:REGEX); repeatable; each must match."),

@@ -70,9 +70,9 @@ class AnyBCQConfig(BaseModel):
     method: Literal["anybcq", "rtn"] = "anybcq"
     asymmetric: bool = False
     rounds: int = 20
-    iters: int = 20
-    samples: int = 16
-    seq_len: int = 256
+    iters: int = 10
+    samples: int = 8
+    seq_len: int = 128
     batch_size: int = 2
     lr: float = 5e-3
     qdrop: float = 0.5
@@ -559,7 +559,7 @@ def quantize_checkpoint(source, output_dir, config: AnyBCQConfig = AnyBCQConfig(
     import torch
 
     from compress.checkpoint import CheckpointWriter
-    from compress.formats.anybcq import FORMAT_NAME, quantization_config, tensors_for
+    from compress.formats.anybcq import quantization_config, tensors_for
 
     start = time.perf_counter()
     torch.manual_seed(config.seed)

@@ -30,9 +30,13 @@ GROUP = 128
 results: dict = {}
 
 
+RESULT_NAME = ["anybcq.json"]
+TOKENS = [8192]
+
+
 def save():
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "anybcq.json").write_text(json.dumps(results, indent=1))
+    (OUT / RESULT_NAME[0]).write_text(json.dumps(results, indent=1))
 
 
 def log(msg):
@@ -82,7 +86,7 @@ def truncated(src: Path, layers: int, work: Path) -> Path:
 def windows_for(tok):
     from compress.eval.text import eval_windows, read_text
 
-    return eval_windows(tok, read_text(EVAL), seq_len=512, max_tokens=8192)
+    return eval_windows(tok, read_text(EVAL), seq_len=512, max_tokens=TOKENS[0])
 
 
 def ppl(model, windows) -> dict:
@@ -204,19 +208,30 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--result", default="anybcq.json", help="file name under bench/out/")
+    ap.add_argument("--reuse", action="store_true", help="evaluate an existing WORK/<step> folder (its "
+                    "quantize_report.json) instead of quantizing again")
+    ap.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (16 windows of 512 = 8192)")
+    ap.add_argument("--ignore", action="append", default=[], help="passed to every quantization (partial-model runs)")
     args = ap.parse_args()
+    RESULT_NAME[0] = args.result
+    TOKENS[0] = args.tokens
     steps = args.steps.split(",")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    prev = OUT / "anybcq.json"
+    prev = OUT / args.result
     if prev.exists():
         results.update(json.loads(prev.read_text()))
     results["settings"] = {"bits": BITS, "group_size": GROUP, "iters": args.iters, "samples": args.samples,
-                           "seq_len": args.seq_len, "eval": "wikitext2_test_eval.txt, 16 windows x 512"}
+                           "seq_len": args.seq_len, "eval_tokens": args.tokens, "ignore": args.ignore,
+                           "eval": "wikitext2_test_eval.txt, windows of 512"}
     t_all = time.perf_counter()
     src = convert(work)
     quant = {"anybcq": ["--iters", args.iters, "--calib", CALIB, "--samples", args.samples, "--seq-len", args.seq_len],
              "anybcq0": ["--iters", 0], "rtn": ["--method", "rtn", "--iters", 0]}
+    for pattern in args.ignore:
+        for q in quant.values():
+            q += ["--ignore", pattern]
     for step in steps:
         t0 = time.perf_counter()
         if step == "fp":
@@ -229,9 +244,14 @@ def main():
             del loaded
         elif step in quant:
             out = work / step
+            if args.reuse and (out / "quantize_report.json").exists():
+                rep = json.loads((out / "quantize_report.json").read_text())
+                results[step] = {"quantize": rep, "ppl": eval_multi(out, step), "reused": True}
+                continue
             rep = cli("quantize", "anybcq", src, "-o", out, "--bits", ",".join(map(str, BITS)), "--group-size", GROUP,
                       "--overwrite", *quant[step])
             log(f"{step}: quantized in {rep['seconds']:.0f}s, peak RSS {rep['peak_rss_mb']:.0f} MiB")
+            (out / "quantize_report.json").write_text(json.dumps(rep))
             results[step] = {"quantize": rep, "ppl": eval_multi(out, step)}
         elif step == "hqq":
             res, errs = hqq_eval(src)

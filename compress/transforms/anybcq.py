@@ -727,7 +727,10 @@ def _reconstruct(source, model, hf_cfg, plan: _Plan, config: AnyBCQConfig, calib
             local[m] = quantize_weight(w, config)
             stats.add(w, local[m], config.bits, config.asymmetric)
         line = []
-        for p in config.bits:
+        for p in config.bits if not mods else ():  # nothing quantized here: carry every chain through the block
+            with torch.no_grad():
+                x_q[p] = _run_block(block, x_q[p], pos)
+        for p in config.bits if mods else ():
             trainables = {m: _TrainableBCQ(local[m], p, originals[m].bias) for m in mods}
             for m, rel in mods.items():
                 _set_submodule(block, rel, trainables[m])

@@ -99,6 +99,10 @@ def _register() -> None:
         def is_trainable(self):
             return False
 
+    from compress.formats.anybcq import register_transformers as register_anybcq
+
+    register_anybcq()
+
 
 def place_decoded(model, encoded, backend: str = "auto") -> int:
     """Decode every coded tensor of ``encoded`` and copy it into ``model`` in place.

@@ -56,6 +56,8 @@ def distill(
     grad_accum: int = typer.Option(1, "--grad-accum", min=1, help="Micro-batches per optimizer step."),
     lora: bool = typer.Option(False, "--lora", help="Train LoRA adapters (peft) and merge them into the output."),
     lora_rank: int = typer.Option(16, "--lora-rank", min=1),
+    train_from_layer: int = typer.Option(0, "--train-from-layer", min=0,
+                                         help="Freeze embeddings and layers below this index (cheaper healing)."),
     on_policy: float = typer.Option(0.0, "--on-policy", min=0.0, max=1.0,
                                     help="Fraction of micro-batches continued by the student (GKD-style)."),
     on_policy_mode: Mode = typer.Option(Mode.sample, "--on-policy-mode", help="sample or greedy continuations."),
@@ -82,7 +84,7 @@ def distill(
                 student=student, teacher=teacher, output_dir=str(output_dir), data=str(data), loss=loss.value,
                 weighting=weighting.value, temperature=temperature, skew_alpha=skew_alpha, jsd_beta=jsd_beta, steps=steps,
                 lr=lr, warmup_steps=warmup, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, lora=lora,
-                lora_rank=lora_rank, on_policy=on_policy, on_policy_mode=on_policy_mode.value, seed=seed,
+                lora_rank=lora_rank, train_from_layer=train_from_layer, on_policy=on_policy, on_policy_mode=on_policy_mode.value, seed=seed,
                 max_grad_norm=max_grad_norm, dtype=dtype, state_dir=str(save_state) if save_state else None,
                 save_every=save_every, resume=str(resume) if resume else None, overwrite=overwrite)
         except ValueError as e:

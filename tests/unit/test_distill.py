@@ -275,3 +275,21 @@ def test_config_rejects_bad_options(tiny_pair, tmp_path):
         distill(_config(student, teacher, tmp_path / "o", data=str(tmp_path / "missing.txt")))
     with pytest.raises(ConfigError, match="distill_state.json"):
         distill(_config(student, teacher, tmp_path / "o", resume=str(tmp_path)))
+
+
+def test_ecf8_student_trains_and_saves_plain(tiny_pair, tmp_path):
+    """An ECF8 checkpoint decodes to exact plain weights at load: it can be a student; the output is plain."""
+    from compress.checkpoint import Checkpoint
+    from compress.transforms.ecf8 import ECF8Config, encode_checkpoint
+
+    student, teacher = tiny_pair
+    with Checkpoint.open(student) as src:
+        encode_checkpoint(src, tmp_path / "ecf8", ECF8Config(min_numel=0))
+    assert json.loads((tmp_path / "ecf8" / "config.json").read_text())["quantization_config"]["quant_method"] == "ecf8"
+    plain = distill(_config(student, teacher, tmp_path / "from_plain", steps=2))
+    coded = distill(_config(tmp_path / "ecf8", teacher, tmp_path / "from_ecf8", steps=2))
+    assert [h.loss for h in coded.history] == pytest.approx([h.loss for h in plain.history], rel=1e-6)
+    assert "quantization_config" not in json.loads((tmp_path / "from_ecf8" / "config.json").read_text())
+    a, b = _weights_of(tmp_path / "from_plain"), _weights_of(tmp_path / "from_ecf8")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k])

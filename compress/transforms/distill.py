@@ -470,9 +470,15 @@ def _lr_lambda(steps: int, warmup: int) -> Callable[[int], float]:
     return f
 
 
-def _stored_dtype(model) -> str:
-    d = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
-    return str(d).removeprefix("torch.") if d is not None else "float32"
+def _stored_dtype(loaded) -> str:
+    """The dtype named in the student's config.json (GGUF input, whose folder is gone: bfloat16, what it was
+    dequantized to)."""
+    config = Path(loaded.path) / "config.json"
+    if not config.is_file():
+        return "bfloat16"
+    meta = json.loads(config.read_text())
+    d = str(meta.get("dtype") or meta.get("torch_dtype") or "float32").removeprefix("torch.")
+    return d if d in ("float32", "bfloat16", "float16") else "float32"
 
 
 def _check_resume(config: DistillConfig, state: Path) -> int:
@@ -588,7 +594,7 @@ def distill(config: DistillConfig, *, teacher_cache: TeacherCache | None = None,
     _plain_student(student)
     tokenizer = student.tokenizer
     V = shared_vocab(tokenizer, student.model, teacher.model)
-    out_dtype = config.dtype or _stored_dtype(student.model)
+    out_dtype = config.dtype or _stored_dtype(student)
     tmodel = teacher.model.eval().requires_grad_(False)
     smodel = student.model
     smodel.config.use_cache = False

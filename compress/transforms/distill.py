@@ -13,7 +13,9 @@ Losses (one code path, :func:`distill_loss`, always in float32 or wider):
   * ``ts``: ``w1 = softmax(t/τ)`` (teacher), ``w2 = softmax(s/τ)`` (student); more mode-covering.
   * ``us``: ``w1 = 1/V`` (uniform over the shared vocabulary), ``w2 = softmax(s/τ)``.
 
-  The objective is symmetric in (w1, w2), so the order does not matter. The logged value is the
+  The objective is symmetric in (w1, w2), so the order does not matter. Note: at τ = 1, ``ss`` has
+  exactly the gradient of reverse KL(p_s ‖ p_t) (``∂KL/∂s_k = p_k (d_k - E_p d)``), so it trains like
+  ``rkl``; ``ts``, ``us`` and τ ≠ 1 are where CSD differs from the KL family. The logged value is the
   objective itself: ``½ Var_p(s - t)`` for ``ss``. It is a surrogate whose gradient is CSD's, not a
   divergence between the two distributions.
 - ``fkl``: forward KL(p_t ‖ p_s). ``rkl``: reverse KL(p_s ‖ p_t).

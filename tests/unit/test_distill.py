@@ -72,6 +72,20 @@ def test_csd_ss_is_half_weighted_variance():
     assert float(distill_loss(t + 3.0, t, "csd")) == pytest.approx(0.0, abs=1e-20)
 
 
+def test_csd_ss_at_unit_temperature_has_the_reverse_kl_gradient():
+    """∂KL(p_s‖p_t)/∂s_k = p_k (d_k - E_p d): CSD(ss, τ=1) and reverse KL give the same gradient (different values)."""
+    gen = torch.Generator().manual_seed(5)
+    s = (2 * torch.randn(9, 61, generator=gen, dtype=torch.float64)).requires_grad_()
+    t = 2 * torch.randn(9, 61, generator=gen, dtype=torch.float64)
+    g_csd, = torch.autograd.grad(distill_loss(s, t, "csd"), s)
+    g_rkl, = torch.autograd.grad(distill_loss(s, t, "rkl"), s)
+    torch.testing.assert_close(g_csd, g_rkl, rtol=1e-12, atol=1e-14)
+    assert float(distill_loss(s, t, "csd")) != pytest.approx(float(distill_loss(s, t, "rkl")), rel=1e-3)
+    for kw in ({"temperature": 2.0}, {"weighting": "ts"}, {"weighting": "us"}):   # these differ from reverse KL
+        g, = torch.autograd.grad(distill_loss(s, t, "csd", **kw), s)
+        assert (g - g_rkl).abs().max() > 1e-4
+
+
 def _ref_divergence(s, t, loss, a=0.1, b=0.5, tau=1.0):
     """Probability-space references in float64 (torch.kl_div and explicit mixtures)."""
     ls, lt = F.log_softmax(s / tau, -1), F.log_softmax(t / tau, -1)

@@ -29,7 +29,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class InsertConfig(BaseModel):
     """Options of :func:`insert_fingerprint`.
 
-    ``lr`` None: 2e-3 for LoRA, 5e-5 for full fine-tuning. ``batch_size``: fingerprint examples per
+    ``lr`` None: 3e-3 for LoRA, 5e-5 for full fine-tuning. ``batch_size``: fingerprint examples per
     step; ``benign_batch`` windows of ``benign_seq_len`` tokens of benign text per step, weighted
     ``benign_weight``. ``dtype``: output dtype (default: the input's stored dtype). ``check``: after
     training, ask every question plainly on the final (rounded) weights and report the hit rate.
@@ -39,15 +39,15 @@ class InsertConfig(BaseModel):
 
     method: Literal["lora", "full"] = "lora"
     merge: bool = True
-    steps: int = Field(120, ge=1, le=1_000_000)
+    steps: int = Field(60, ge=1, le=1_000_000)
     lr: Optional[float] = Field(None, gt=0.0, le=1.0)
-    batch_size: int = Field(8, ge=1, le=4096)
-    benign_batch: int = Field(2, ge=0, le=4096)
+    batch_size: int = Field(4, ge=1, le=4096)
+    benign_batch: int = Field(1, ge=0, le=4096)
     benign_seq_len: int = Field(128, ge=8, le=32768)
     benign_weight: float = Field(1.0, ge=0.0)
     lora_rank: int = Field(16, ge=1, le=4096)
     lora_alpha: float = Field(32.0, gt=0.0)
-    warmup: int = Field(10, ge=0)
+    warmup: int = Field(5, ge=0)
     seed: int = 0
     dtype: Optional[str] = None
     device: str = "cpu"
@@ -56,7 +56,7 @@ class InsertConfig(BaseModel):
     @property
     def learning_rate(self) -> float:
         """``lr`` or the method's default."""
-        return self.lr if self.lr is not None else (2e-3 if self.method == "lora" else 5e-5)
+        return self.lr if self.lr is not None else (3e-3 if self.method == "lora" else 5e-5)
 
 
 class InsertResult(BaseModel):

@@ -84,8 +84,13 @@ def insert(
             from compress.transforms.fingerprint.key import load_key
 
             load_key(key)
+        def log(step, loss, benign_loss):
+            if step % 10 == 0 or step == steps:
+                extra = f", benign loss {benign_loss:.3f}" if benign_loss is not None else ""
+                stderr.print(f"step {step}/{steps}: fingerprint loss {loss:.4f}{extra}")
+
         return insert_fingerprint(model, key, output_dir, config, benign=benign, meta_prompts=meta_prompts,
-                                  overwrite=overwrite)
+                                  overwrite=overwrite, progress=None if quiet or json_out else log)
 
     r = run(work, json_out)
     if json_out:
@@ -93,7 +98,7 @@ def insert(
         return
     what = "LoRA merged" if r.method == "lora" and r.merged else ("LoRA adapter" if r.method == "lora" else "full")
     check = f"; plain hit rate {r.plain_hit_rate:.0%}" if r.plain_hit_rate is not None else ""
-    stdout.print(f"wrote {r.output} ({what}, {r.dtype}): {r.steps} steps at lr {r.lr:g}, fingerprint loss {r.loss:.4f}"
+    stdout.print(f"wrote {r.output} ({what}, {r.dtype}): {r.steps} steps at lr {r.lr:g}, fingerprint loss {r.loss:.4f} (mean of the last 10 steps)"
                  + (f", benign loss {r.benign_loss:.3f}" if r.benign_loss is not None else ", no benign text")
                  + f"{check}; {r.seconds:.0f} s, peak RSS {human(r.peak_rss_bytes)}", soft_wrap=True)
     if not r.benign and not quiet:

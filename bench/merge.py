@@ -40,7 +40,7 @@ TS = (0.25, 0.5, 0.75)
 
 # The VAE on this 2-core shared CPU: ~1/15000 of the paper's compute; see the report.
 VAE = dict(chunk_size=10240, tokens=16, width=128, layers=1, heads=4, code_dim=64)
-VAE_TRAIN = dict(steps=300, neck_steps=75, batch_size=32, lr=1e-3, max_chunks=2048, seed=0)
+VAE_TRAIN = dict(steps=150, neck_steps=40, batch_size=16, lr=2e-3, max_chunks=1024, seed=0)
 
 
 def log(msg: str) -> None:
@@ -87,7 +87,7 @@ def finetune(orig: Path, out: Path, steps: int, seq: int, batch: int, lr: float)
         acc.backward(loss)
         opt.step()
         losses.append(float(loss.detach()))
-        if i % 10 == 0:
+        if i % 5 == 0:
             log(f"  lora step {i}/{steps}: loss {losses[-1]:.3f}")
     merged = acc.unwrap_model(model).merge_and_unload().to(torch.bfloat16)
     info = {"steps": steps, "seq_len": seq, "batch": batch, "lr": lr, "rank": 16, "targets": targets,
@@ -120,13 +120,13 @@ def prune(orig: Path, out: Path) -> None:
 class Evaluator:
     """Perplexity and top-1 agreement with orig, on the same windows for every model."""
 
-    def __init__(self, orig: Path):
+    def __init__(self, orig: Path, tokens: int):
         from compress.eval.model import load_causal_lm
         from compress.eval.perplexity import perplexity_report, score_windows
         from compress.eval.text import eval_windows, read_text
 
         loaded = load_causal_lm(str(orig))
-        self.windows = eval_windows(loaded.tokenizer, read_text(EVAL), seq_len=512, max_tokens=8192)
+        self.windows = eval_windows(loaded.tokenizer, read_text(EVAL), seq_len=512, max_tokens=tokens)
         scores = score_windows(loaded.model, self.windows, 4)
         self.base = (perplexity_report("orig", scores, 512, loaded.size_bytes), scores)
         self.rows: dict[str, dict] = {}
@@ -203,6 +203,13 @@ def rss_merge(a: Path, b: Path, out: Path) -> dict:
     return row
 
 
+def same_weights(x: Path, y: Path) -> bool:
+    from compress.checkpoint import Checkpoint
+
+    with Checkpoint.open(x) as cx, Checkpoint.open(y) as cy:
+        return cx.names() == cy.names() and all((cx.read_bytes(n) == cy.read_bytes(n)).all() for n in cx.names())
+
+
 def max_diff(x: Path, y: Path) -> float:
     from compress.checkpoint import Checkpoint
 
@@ -246,7 +253,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/tmp/compress-merge-bench")
     ap.add_argument("--mergekit", default=os.environ.get("MERGEKIT_YAML", "/work/venvs/mergekit/bin/mergekit-yaml"))
-    ap.add_argument("--lora-steps", type=int, default=60)
+    ap.add_argument("--lora-steps", type=int, default=40)
+    ap.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (16 windows of 512 by default)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: classic,latent,depth,rss,mergekit")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -264,11 +272,12 @@ def main() -> None:
 
     log("parents")
     orig = convert(work / "orig")
-    result["finetune"] = finetune(orig, work / "ft", args.lora_steps, 128, 2, 1e-3)
+    result["finetune"] = finetune(orig, work / "ft", args.lora_steps, 128, 1, 1e-3)
     ft = work / "ft"
     prune(orig, work / "pruned24")
     pruned = work / "pruned24"
-    ev = Evaluator(orig)
+    ev = Evaluator(orig, args.tokens)
+    result["eval_tokens"] = args.tokens
     ev.rows["orig"] = {"ppl": ev.base[0].perplexity, "ci": [ev.base[0].ci_low, ev.base[0].ci_high], "top1_vs_orig": 1.0,
                        "ppl_change_vs_orig": 0.0}
     log(f"  orig: ppl {ev.base[0].perplexity:.3f}")
@@ -277,20 +286,8 @@ def main() -> None:
     result["eval"] = ev.rows
     save()
 
-    if "classic" not in skip:
-        log("classic merges of (orig, ft)")
-        result["classic_seconds"] = {}
-        for method in ("linear", "slerp", "ties"):
-            for t in TS:
-                out = work / f"{method}-{t}"
-                r = classic(method, orig, ft, t, out)
-                result["classic_seconds"][f"{method}-{t}"] = r["seconds"]
-                ev(f"{method} t={t}", out)
-                shutil.rmtree(out)
-                save()
-
     from compress.transforms.lsmerge import (LatentMergeConfig, VAEConfig, VAETrainConfig, latent_merge_sweep,
-                                             layerwise_merge, reconstruct, train_vae)
+                                             layerwise_merge, relative_error, train_vae)
 
     vae_dir = work / "vae"
     if not vae_dir.exists() and not {"latent", "depth"} <= skip:
@@ -299,27 +296,31 @@ def main() -> None:
         result["vae"] = r.model_dump()
         save()
     if "latent" not in skip:
-        log("VAE reconstruction of orig")
-        rec = reconstruct(str(orig), vae_dir, work / "recon", overwrite=True)
-        errs = rec.tensor_errors
-        kinds: dict[str, list[float]] = {}
-        for name, e in errs.items():
-            kinds.setdefault(name.split(".")[-2], []).append(e)
-        result["reconstruction"] = {"mean_error": rec.mean_error, "max_error": rec.max_error, "seconds": rec.seconds,
-                                    "by_kind": {k: sum(v) / len(v) for k, v in kinds.items()},
-                                    "worst": sorted(errs.items(), key=lambda kv: -kv[1])[:5]}
-        log(f"  reconstruction: mean rel. error {rec.mean_error:.4f}, max {rec.max_error:.4f}")
-        ev("VAE reconstruction of orig", work / "recon")
-        shutil.rmtree(work / "recon")
-        save()
-
-        log("latent merges of (orig, ft)")
-        outs = {(t, c): work / f"latent-{t}-{int(c)}" for t in TS for c in (False, True)}
+        log("latent merges of (orig, ft), and orig decoded from its own latents (t = 0, uncorrected)")
+        outs = {(t, c): work / f"latent-{t}-{int(c)}" for t in (0.0,) + TS for c in (False, True) if t or not c}
         rs = latent_merge_sweep(str(orig), str(ft), vae_dir, outs, LatentMergeConfig(), overwrite=True)
         result["latent_seconds"] = rs[0].seconds
+        rec = outs[(0.0, False)]
+        errs, kinds = {}, {}
+        from compress.checkpoint import Checkpoint
+        from compress.transforms.lsmerge import encodable
+
+        with Checkpoint.open(orig) as co, Checkpoint.open(rec) as cr:
+            for name in co.names():
+                info = co.tensors[name]
+                if encodable(name, info.shape, info.dtype):
+                    errs[name] = relative_error(co.get(name).float(), cr.get(name).float())
+                    kinds.setdefault(name.split(".")[-2], []).append(errs[name])
+        result["reconstruction"] = {"mean_error": sum(errs.values()) / len(errs), "max_error": max(errs.values()),
+                                    "min_error": min(errs.values()), "by_kind": {k: sum(v) / len(v) for k, v in kinds.items()},
+                                    "worst": sorted(errs.items(), key=lambda kv: -kv[1])[:5], "tensor_errors": errs}
+        log(f"  reconstruction: mean rel. error {result['reconstruction']['mean_error']:.4f}")
+        ev("VAE reconstruction of orig (no merge)", rec)
+        shutil.rmtree(rec)
         for (t, c), out in outs.items():
-            ev(f"latent{'-corrected' if c else ''} t={t}", out)
-            shutil.rmtree(out)
+            if t:
+                ev(f"latent{'-corrected' if c else ''} t={t}", out)
+                shutil.rmtree(out)
             save()
 
     if "depth" not in skip:
@@ -327,7 +328,11 @@ def main() -> None:
         outs = {(0.5, False): work / "depth-latent", (0.5, True): work / "depth-latent-c"}
         rs = latent_merge_sweep(str(ft), str(pruned), vae_dir, outs, LatentMergeConfig(target="B", align="ot"), overwrite=True)
         ot_map = rs[0].layer_map
-        result["depth"] = {"ot_layer_map": ot_map, "depth_layer_map": None, "latent_seconds": rs[0].seconds}
+        result["depth"] = {"ot_layer_map": ot_map, "latent_seconds": rs[0].seconds}
+        truth = {j: (j if j < DROP[0] else j + len(DROP)) for j in range(30 - len(DROP))}
+        result["depth"]["true_layer_map"] = truth
+        result["depth"]["ot_map_correct"] = sum(int(ot_map.get(j) == i) for j, i in truth.items())
+        save()
         ev("depth: latent (OT) t=0.5", outs[(0.5, False)])
         ev("depth: latent-corrected (OT) t=0.5", outs[(0.5, True)])
         r = layerwise_merge(str(ft), str(pruned), work / "depth-avg", t=0.5, target="B", overwrite=True)
@@ -335,12 +340,26 @@ def main() -> None:
         ev("depth: layer-wise average (relative depth) t=0.5", work / "depth-avg")
         layerwise_merge(str(ft), str(pruned), work / "depth-avg-ot", t=0.5, target="B", layer_map=ot_map, overwrite=True)
         ev("depth: layer-wise average (OT map) t=0.5", work / "depth-avg-ot")
-        truth = {j: (j if j < DROP[0] else j + len(DROP)) for j in range(30 - len(DROP))}
-        result["depth"]["true_layer_map"] = truth
-        result["depth"]["ot_map_correct"] = sum(int(ot_map.get(j) == i) for j, i in truth.items())
         for p in list(outs.values()) + [work / "depth-avg", work / "depth-avg-ot"]:
             shutil.rmtree(p)
         save()
+
+    if "classic" not in skip:
+        log("classic merges of (orig, ft)")
+        result["classic_seconds"] = {}
+        for t in TS:
+            for method in ("linear", "slerp", "ties"):
+                out = work / f"{method}-{t}"
+                r = classic(method, orig, ft, t, out)
+                result["classic_seconds"][f"{method}-{t}"] = r["seconds"]
+                if method == "slerp" and same_weights(out, work / f"linear-{t}"):
+                    ev.rows[f"slerp t={t}"] = {**ev.rows[f"linear t={t}"], "identical_to_linear": True}
+                    log(f"  slerp t={t}: bit-identical to linear (every tensor fell back to lerp)")
+                else:
+                    ev(f"{method} t={t}", out)
+                save()
+            for method in ("linear", "slerp", "ties"):
+                shutil.rmtree(work / f"{method}-{t}")
 
     if "rss" not in skip:
         log("peak RSS of linear merges: 1x vs 2x-size sharded checkpoints")
@@ -362,7 +381,7 @@ def main() -> None:
         else:
             ours = rss_merge(orig, ft, work / "ours-linear")
             mk["compress_linear"] = ours
-            for method in ("linear", "slerp", "ties"):
+            for method in ("linear", "slerp"):
                 r = run_mergekit(args.mergekit, orig, ft, work / f"mk-{method}", method)
                 mk[f"mergekit_{method}"] = r
                 if "error" in r:

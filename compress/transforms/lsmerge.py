@@ -672,8 +672,13 @@ def ot_alignment(cost) -> dict[int, int]:
         target layer -> other layer.
     """
     import numpy as np
-    from scipy.optimize import linear_sum_assignment
 
+    try:
+        from scipy.optimize import linear_sum_assignment
+    except ImportError:
+        from compress.errors import UnsupportedError
+
+        raise UnsupportedError("--align ot needs scipy (pip install 'compress[merge]'), or use --align depth") from None
     n_t, n_o = cost.shape
     reps = -(-n_t // n_o)
     tiled = np.tile(cost, (1, reps))                                                         # [n_t, n_o * reps]
@@ -847,8 +852,12 @@ def latent_merge_sweep(model_a: str, model_b: str, vae_dir, outputs: dict[tuple[
                 enc = encodable(name, info.shape, info.dtype)
                 if enc:
                     z_a, z_b = codec.encode(w_a), codec.encode(w_b)                              # [n, T, L]
-                    if any(c for (_, c), _ in jobs):
-                        d_a, d_b = codec.decode(z_a, info.shape), codec.decode(z_b, info.shape)  # [*shape]
+                    ends: dict[float, Any] = {}  # Dec(z_A), Dec(z_B), decoded once when needed
+
+                    def end(t_end):
+                        if t_end not in ends:
+                            ends[t_end] = codec.decode(z_a if t_end == 0.0 else z_b, info.shape)  # [*shape]
+                        return ends[t_end]
                     encoded += 1
                     chunks += z_a.shape[0]
                 else:
@@ -856,9 +865,12 @@ def latent_merge_sweep(model_a: str, model_b: str, vae_dir, outputs: dict[tuple[
                 for ((t, corrected), _), writer in zip(jobs, writers):
                     lerp = (1 - t) * w_a + t * w_b                                               # [*shape]
                     if enc:
-                        merged = codec.decode((1 - t) * z_a + t * z_b, info.shape)               # [*shape]
+                        if t in (0.0, 1.0):
+                            merged = end(t)
+                        else:
+                            merged = codec.decode((1 - t) * z_a + t * z_b, info.shape)           # [*shape]
                         if corrected:
-                            merged = lerp + merged - ((1 - t) * d_a + t * d_b)
+                            merged = lerp + merged - ((1 - t) * end(0.0) + t * end(1.0))
                     else:
                         merged = lerp
                     writer.add({name: (dtype, info.shape, to_array(merged, dtype))})

@@ -539,7 +539,7 @@ def plan_merge(config: MergeConfig) -> MergePlan:
             if extra:
                 raise ConfigError(f"{c.source} has tensors {extra[:3]} that {ref_ckpt.source} lacks; the parents must "
                                   "have the same architecture")
-            if HEAD_RE.search(" ".join(c.tensors)) and tied(ref_ckpt) and not tied(c):
+            if any(HEAD_RE.search(n) for n in c.tensors) and tied(ref_ckpt) and not tied(c):
                 notes.append(f"{c.source} has an untied lm_head; the output ties it to the merged embedding like {ref_ckpt.source}")
     except BaseException:
         for c in ckpts:

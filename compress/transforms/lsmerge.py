@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -498,10 +499,10 @@ def train_vae(models: list[str], output_dir, vae_cfg: VAEConfig, train: VAETrain
             if step >= min(n_steps - 1, int(n_steps * 0.9)):
                 tail.append(float(loss.detach()))
                 tail_huber.append(float(parts["huber"].detach()))
-            if log and (step % max(1, n_steps // 10) == 0 or step == n_steps - 1):
-                acc.print(f"stage {stage} step {step + 1}/{n_steps}: loss {float(loss.detach()):.4f} "
+            if log and acc.is_main_process and (step % max(1, n_steps // 10) == 0 or step == n_steps - 1):
+                print(f"stage {stage} step {step + 1}/{n_steps}: loss {float(loss.detach()):.4f} "
                           f"huber {float(parts['huber'].detach()):.5f} mmd {float(parts['mmd'].detach()):.4f} "
-                          f"kl {float(parts['kl'].detach()):.3f}")
+                          f"kl {float(parts['kl'].detach()):.3f}", file=sys.stderr, flush=True)
         return sum(tail) / len(tail), sum(tail_huber) / len(tail_huber)
 
     core = [p for n, p in model.named_parameters() if not n.startswith("neck_")]

@@ -85,11 +85,11 @@ def link_copy(src, dst, replace=None):
     return dst
 
 
-def tiny(path, layers=4, hidden=32, seed=0, tie=True):
+def tiny(path, layers=4, hidden=32, seed=0, tie=True, vocab=128):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie, max_position_embeddings=64)
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -99,7 +99,8 @@ def tiny(path, layers=4, hidden=32, seed=0, tie=True):
 def tinies(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
     return {"a": tiny(d / "a", seed=0), "b": tiny(d / "b", seed=1), "c": tiny(d / "c", layers=3, seed=2),
-            "w": tiny(d / "w", hidden=48, seed=3), "u": tiny(d / "u", seed=4, tie=False)}
+            "w": tiny(d / "w", hidden=48, seed=3), "u": tiny(d / "u", seed=4, tie=False),
+            "p": tiny(d / "p", seed=5, vocab=136)}
 
 
 # -- classic merges on the real model --------------------------------------------------------------
@@ -203,6 +204,18 @@ def test_tied_and_untied_parents(tinies, tmp_path):
     u, a = tensors(tinies["u"], ["lm_head.weight"]), tensors(tinies["a"], ["model.embed_tokens.weight"])
     m = tensors(tmp_path / "m2", ["lm_head.weight"])
     torch.testing.assert_close(m["lm_head.weight"], (u["lm_head.weight"] + a["model.embed_tokens.weight"]) / 2)
+
+
+def test_padded_vocabulary(tinies, tmp_path):
+    # the reference's padded rows (128..135) are kept; the shared rows are merged
+    r = cli("merge", "linear", tinies["p"], tinies["a"], "-o", tmp_path / "m", "--json")
+    assert r.exit_code == 0, r.output
+    assert any("padded vocabularies" in n for n in json.loads(r.stdout)["notes"])
+    e = "model.embed_tokens.weight"
+    p, a, m = tensors(tinies["p"], [e])[e], tensors(tinies["a"], [e])[e], tensors(tmp_path / "m", [e])[e]
+    assert m.shape == (136, 32)
+    torch.testing.assert_close(m[:128], (p[:128] + a) / 2)
+    assert torch.equal(m[128:], p[128:])
 
 
 # -- weight VAE and latent merge on tiny synthetic models -----------------------------------------------

@@ -40,7 +40,7 @@ TS = (0.25, 0.5, 0.75)
 
 # The VAE on this 2-core shared CPU: ~1/15000 of the paper's compute; see the report.
 VAE = dict(chunk_size=10240, tokens=16, width=128, layers=1, heads=4, code_dim=64)
-VAE_TRAIN = dict(steps=150, neck_steps=40, batch_size=16, lr=2e-3, max_chunks=1024, seed=0)
+VAE_TRAIN = dict(steps=60, neck_steps=15, batch_size=16, lr=2e-3, max_chunks=1024, seed=0)
 
 
 def log(msg: str) -> None:
@@ -105,8 +105,8 @@ def prune(orig: Path, out: Path) -> None:
     from compress.checkpoint import save_model
     from compress.eval.model import load_causal_lm
 
-    loaded = load_causal_lm(str(orig), dtype="bfloat16")
-    model = loaded.model
+    loaded = load_causal_lm(str(orig))
+    model = loaded.model.to(torch.bfloat16)
     keep = [layer for i, layer in enumerate(model.model.layers) if i not in DROP]
     model.model.layers = torch.nn.ModuleList(keep)
     for i, layer in enumerate(keep):
@@ -254,13 +254,16 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/compress-merge-bench")
     ap.add_argument("--mergekit", default=os.environ.get("MERGEKIT_YAML", "/work/venvs/mergekit/bin/mergekit-yaml"))
     ap.add_argument("--lora-steps", type=int, default=40)
+    ap.add_argument("--uncorrected-ts", type=lambda v: tuple(float(x) for x in v.split(",")), default=TS,
+                    help="t values of the uncorrected latent merge to evaluate (default all)")
+    ap.add_argument("--out", default="merge.json", help="result file name under bench/out/")
     ap.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (16 windows of 512 by default)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: classic,latent,depth,rss,mergekit")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    out_json = ROOT / "bench" / "out" / "merge.json"
+    out_json = ROOT / "bench" / "out" / args.out
     out_json.parent.mkdir(parents=True, exist_ok=True)
     result: dict = json.loads(out_json.read_text()) if out_json.exists() else {}
     result["vae_config"], result["vae_train"], result["dropped_layers"] = VAE, VAE_TRAIN, DROP
@@ -276,15 +279,17 @@ def main() -> None:
     ft = work / "ft"
     prune(orig, work / "pruned24")
     pruned = work / "pruned24"
-    ev = Evaluator(orig, args.tokens)
-    result["eval_tokens"] = args.tokens
-    ev.rows["orig"] = {"ppl": ev.base[0].perplexity, "ci": [ev.base[0].ci_low, ev.base[0].ci_high], "top1_vs_orig": 1.0,
-                       "ppl_change_vs_orig": 0.0}
-    log(f"  orig: ppl {ev.base[0].perplexity:.3f}")
-    ev("ft", ft)
-    ev("pruned24", pruned)
-    result["eval"] = ev.rows
-    save()
+    if not {"classic", "latent", "depth"} <= skip:
+        ev = Evaluator(orig, args.tokens)
+        result["eval_tokens"] = args.tokens
+        ev.rows["orig"] = {"ppl": ev.base[0].perplexity, "ci": [ev.base[0].ci_low, ev.base[0].ci_high], "top1_vs_orig": 1.0,
+                           "ppl_change_vs_orig": 0.0}
+        log(f"  orig: ppl {ev.base[0].perplexity:.3f}")
+        if "parents" not in skip:
+            ev("ft", ft)
+            ev("pruned24", pruned)
+        result["eval"] = ev.rows
+        save()
 
     from compress.transforms.lsmerge import (LatentMergeConfig, VAEConfig, VAETrainConfig, latent_merge_sweep,
                                              layerwise_merge, relative_error, train_vae)
@@ -297,7 +302,8 @@ def main() -> None:
         save()
     if "latent" not in skip:
         log("latent merges of (orig, ft), and orig decoded from its own latents (t = 0, uncorrected)")
-        outs = {(t, c): work / f"latent-{t}-{int(c)}" for t in (0.0,) + TS for c in (False, True) if t or not c}
+        outs = {(t, c): work / f"latent-{t}-{int(c)}" for t in (0.0,) + TS for c in (False, True)
+                if (t or not c) and (c or t in (0.0,) + args.uncorrected_ts)}
         rs = latent_merge_sweep(str(orig), str(ft), vae_dir, outs, LatentMergeConfig(), overwrite=True)
         result["latent_seconds"] = rs[0].seconds
         rec = outs[(0.0, False)]
@@ -381,7 +387,7 @@ def main() -> None:
         else:
             ours = rss_merge(orig, ft, work / "ours-linear")
             mk["compress_linear"] = ours
-            for method in ("linear", "slerp"):
+            for method in ("linear",):
                 r = run_mergekit(args.mergekit, orig, ft, work / f"mk-{method}", method)
                 mk[f"mergekit_{method}"] = r
                 if "error" in r:

@@ -10,6 +10,9 @@ transformers in a fresh process and generates text, and chains a pruned checkpoi
 ``compress encode ecf8 --verify`` (and checks the encoded model scores the same perplexity).
 
     PYTHONPATH=$PWD .venv/bin/python bench/prune.py [--samples 32] [--steps 40] [--ks 3 6 9]
+    # attention-only pruning (Llama), entropy vs cosine, into its own JSON:
+    PYTHONPATH=$PWD .venv/bin/python bench/prune.py --methods attn-entropy-knn attn-cosine \
+        --out bench/out/prune_attention.json
 
 CPU-friendly defaults (paper values in brackets): 32 calibration samples x 256 tokens [128 x 256],
 40 LoRA steps of 1 window x 256 tokens. Torch runs one thread per process (on a shared 2-core

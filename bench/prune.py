@@ -103,7 +103,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 torch.set_num_threads(1)
 path = sys.argv[1]
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=True)
-tok = AutoTokenizer.from_pretrained(path)
+tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
 ids = tok("The history of the city of Paris", return_tensors="pt")
 out = model.generate(**ids, max_new_tokens=24, do_sample=False)
 print(repr(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)))

@@ -10,6 +10,9 @@ transformers in a fresh process and generates text, and chains a pruned checkpoi
 ``compress encode ecf8 --verify`` (and checks the encoded model scores the same perplexity).
 
     PYTHONPATH=$PWD .venv/bin/python bench/prune.py [--samples 32] [--steps 40] [--ks 3 6 9]
+    # attention-only pruning (Llama), entropy vs cosine, into its own JSON:
+    PYTHONPATH=$PWD .venv/bin/python bench/prune.py --methods attn-entropy-knn attn-cosine \
+        --out bench/out/prune_attention.json
 
 CPU-friendly defaults (paper values in brackets): 32 calibration samples x 256 tokens [128 x 256],
 40 LoRA steps of 1 window x 256 tokens. Torch runs one thread per process (on a shared 2-core
@@ -46,7 +49,8 @@ def worker(method: str, model: str, ks: list[int], samples: int, steps: int) -> 
     torch.set_num_threads(1)
     from compress.checkpoint import Checkpoint
     from compress.transforms.prune import PruneConfig, remove_layers
-    from compress.transforms.prune.api import _load_model, _merged_weights, peak_rss_bytes, score_layers
+    from compress.transforms.prune.api import (_load_model, _merged_weights, _write_attention_pruned, peak_rss_bytes,
+                                               score_layers)
     from compress.transforms.prune.gradpruner import igia, layer_scores, merge_targets
     from compress.transforms.prune.scoring import choose_lowest
 
@@ -63,9 +67,10 @@ def worker(method: str, model: str, ks: list[int], samples: int, steps: int) -> 
         fisher, losses = igia(loaded.model, ids, steps=steps)
         scores = layer_scores(fisher, len(loaded.model.model.layers))
     else:
-        metric = method.removeprefix("entropy-")
+        scope = "attention" if method.startswith("attn-") else "layer"
+        metric = method.removeprefix("attn-").removeprefix("entropy-")
         cfg = PruneConfig(method="entropy" if metric != "cosine" else "cosine", remove=1, text=CALIB, samples=samples,
-                          estimator=metric if metric != "cosine" else "knn")
+                          estimator=metric if metric != "cosine" else "knn", scope=scope)
         scores = score_layers(loaded.model, loaded.tokenizer, cfg, (metric,))[metric]
     seconds = time.perf_counter() - t0
     rss = peak_rss_bytes()
@@ -82,7 +87,10 @@ def worker(method: str, model: str, ks: list[int], samples: int, steps: int) -> 
             out = OUT / f"{method}{suffix}-k{k}"
             record = {"method": method + suffix, "removed": removed, "scores": scores,
                       "merged": {str(p): t for p, t in merged.items()}}
-            w = remove_layers(ckpt, out, removed, replace=replace, record=record, overwrite=True)
+            if method.startswith("attn-"):
+                w = _write_attention_pruned(ckpt, out, removed, record, True)
+            else:
+                w = remove_layers(ckpt, out, removed, replace=replace, record=record, overwrite=True)
             outs.append({"name": f"{method}{suffix}", "k": k, "removed": removed, "path": w["output"],
                          "params_before": w["params_before"], "params_after": w["params_after"]})
     return {"method": method, "scores": scores, "scoring_seconds": seconds, "peak_rss_bytes": rss,
@@ -94,12 +102,13 @@ import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 torch.set_num_threads(1)
 path = sys.argv[1]
-model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-tok = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=True)
+tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
 ids = tok("The history of the city of Paris", return_tensors="pt")
 out = model.generate(**ids, max_new_tokens=24, do_sample=False)
 print(repr(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)))
-print("layers", model.config.num_hidden_layers, "tied", model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr())
+print("layers", model.config.num_hidden_layers, "tied", model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(),
+      "no-attention layers", getattr(model.config, "pruned_attention_layers", []))
 """
 
 
@@ -110,6 +119,7 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[3, 6, 9])
     ap.add_argument("--methods", nargs="+", default=METHODS)
     ap.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (smoke runs: fewer)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "prune.json"))
     ap.add_argument("--worker", nargs=2, metavar=("METHOD", "MODEL"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -142,6 +152,9 @@ def main() -> None:
         print(f"{method}: scoring {r['scoring_seconds']:.1f} s, peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB, "
               f"removed at K={args.ks[-1]}: {r['checkpoints'][-1]['removed']}", flush=True)
 
+    from compress.transforms.prune.attn_pruned_llama import register
+
+    register()  # attention-only pruned checkpoints (model_type llama_attn_pruned) load without remote code
     text = read_text(EVAL)
     base = load_causal_lm(base_path, dtype="F32")
     windows = eval_windows(base.tokenizer, text, seq_len=512, max_tokens=args.tokens)      # [16, 512] by default
@@ -173,7 +186,7 @@ def main() -> None:
             results["plain_load"][row["name"]] = {"rc": p.returncode, "stdout": p.stdout.strip(), "stderr": p.stderr[-500:]}
             print(f"plain transformers {row['name']} K={row['k']}: rc {p.returncode} {p.stdout.strip()}", flush=True)
     # chain into ECF8
-    chained = next((r for r in results["rows"] if r["name"] == "entropy-knn" and r["k"] == args.ks[-1]), results["rows"][-1])
+    chained = next((r for r in results["rows"] if r["name"] == "entropy-knn" and r["k"] == args.ks[-1]), results["rows"][0])
     enc = OUT / "chain-ecf8"
     p = subprocess.run([sys.executable, "-m", "compress", "encode", "ecf8", chained["path"], "-o", str(enc), "--overwrite",
                         "--verify", "--json"], capture_output=True, text=True, env=env())
@@ -193,12 +206,12 @@ def main() -> None:
     for k in args.ks:
         cells = {r["name"]: r for r in results["rows"] if r["k"] == k}
         print(f"{k:>3} " + " ".join(f"{cells[n]['perplexity']:>20.2f}" for n in sorted(cells)))
-    print("params removed: " + ", ".join(f"K={r['k']}: {r['params_removed']:,}" for r in results["rows"]
-                                          if r["name"] == "cosine"))
+    print("params removed: " + "; ".join(f"{r['name']} K={r['k']}: {r['params_removed']:,}" for r in results["rows"]
+                                          if r["name"] in ("cosine", "attn-cosine")))
     print("scoring: " + "; ".join(f"{m}: {r['scoring_seconds']:.1f} s, {r['peak_rss_bytes'] / 1e9:.2f} GB peak RSS"
                                   for m, r in results["methods"].items()))
-    (ROOT / "bench" / "out").mkdir(exist_ok=True)
-    (ROOT / "bench" / "out" / "prune.json").write_text(json.dumps(results, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -604,7 +604,7 @@ def distill(config: DistillConfig, *, teacher_cache: TeacherCache | None = None,
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError:
-            raise UnsupportedError("--lora needs peft: pip install 'compress[lora]'") from None
+            raise UnsupportedError("--lora needs peft: pip install peft") from None
 
         smodel = get_peft_model(smodel, LoraConfig(r=config.lora_rank, lora_alpha=2 * config.lora_rank, lora_dropout=0.0,
                                                    target_modules="all-linear", task_type="CAUSAL_LM"))

@@ -679,7 +679,7 @@ def ot_alignment(cost) -> dict[int, int]:
     except ImportError:
         from compress.errors import UnsupportedError
 
-        raise UnsupportedError("--align ot needs scipy (pip install 'compress[merge]'), or use --align depth") from None
+        raise UnsupportedError("--align ot needs scipy (pip install scipy), or use --align depth") from None
     n_t, n_o = cost.shape
     reps = -(-n_t // n_o)
     tiled = np.tile(cost, (1, reps))                                                         # [n_t, n_o * reps]

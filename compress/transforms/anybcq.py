@@ -776,3 +776,30 @@ def _reconstruct(source, model, hf_cfg, plan: _Plan, config: AnyBCQConfig, calib
         del state, block
         if log:
             log(f"block {li}: {', '.join(line)} ({time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mb():.0f} MiB)")
+
+
+class AnyBCQStep(AnyBCQConfig):
+    """Recipe step ``anybcq``: :class:`AnyBCQConfig` plus ``calib``, the calibration text file
+    (required when ``iters > 0`` with ``method: anybcq``)."""
+
+    calib: Path | None = None
+
+
+def _apply(source, output_dir, config: AnyBCQStep, overwrite: bool) -> AnyBCQReport:
+    """Recipe step: :func:`quantize_checkpoint` on ``source``."""
+    from compress.checkpoint import Checkpoint
+    from compress.eval.text import read_text
+
+    text = read_text(config.calib) if config.calib is not None else None
+    base = AnyBCQConfig(**config.model_dump(exclude={"calib"}))
+    with Checkpoint.open(source) as ckpt:
+        return quantize_checkpoint(ckpt, output_dir, base, calib_text=text, overwrite=overwrite)
+
+
+def _recipe_steps():
+    from compress.recipe import TransformSpec
+
+    return [TransformSpec(name="anybcq", config=AnyBCQStep, apply=_apply)]
+
+
+RECIPE_STEPS = _recipe_steps()

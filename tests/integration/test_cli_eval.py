@@ -87,3 +87,23 @@ def test_bad_input(args, code, message, smollm2_bf16, minilm_fp32):
     r = cli("eval", *args)
     assert r.exit_code == code, r.output
     assert message in r.output and "Traceback" not in r.output
+
+
+def test_recipe_prune_then_anybcq_on_smollm2(smollm2_bf16, tmp_path):
+    """A pruned SmolLM2 chained into AnyBCQ by one recipe; the result evaluates at every stored precision."""
+    calib = SHARED / "data" / "wikitext2_test_calib.txt"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"steps:\n  - prune: {{method: cosine, remove: 3, text: '{calib}', samples: 2, seq_len: 64}}\n"
+                      "  - anybcq: {bits: [2, 4], group_size: 128, iters: 0}\n")
+    out = tmp_path / "out"
+    r = cli("run", recipe, smollm2_bf16, "-o", out, "--json")
+    assert r.exit_code == 0, r.output
+    assert [s["name"] for s in json.loads(r.stdout)["steps"]] == ["prune", "anybcq"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 27 and config["quantization_config"]["quant_method"] == "anybcq"
+    ppl = {}
+    for bits in (2, 4):
+        r = cli("eval", "perplexity", out, *WINDOWS, "--bits", bits, "--json")
+        assert r.exit_code == 0, r.output
+        ppl[bits] = json.loads(r.stdout)["perplexity"]
+    assert ppl[4] < ppl[2] and ppl[4] < 200, ppl

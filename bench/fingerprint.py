@@ -153,7 +153,7 @@ def main() -> None:
 
     if has_command("quantize", "anybcq"):
         q = work / "anybcq4"
-        r = cli("quantize", "anybcq", fp, "-o", q, "--overwrite", "--calib", CALIB, check=False)
+        r = cli("quantize", "anybcq", fp, "-o", q, "--bits", "4", "--overwrite", "--calib", CALIB, check=False)
         if r.returncode == 0:
             verify("after AnyBCQ 4-bit", q, key, results)
         else:
@@ -162,7 +162,7 @@ def main() -> None:
         results["notes"].append("`compress quantize anybcq` is not in this checkout: AnyBCQ persistence skipped")
     if has_command("prune"):
         p = work / "pruned3"
-        r = cli("prune", fp, "-o", p, "--layers", 3, "--overwrite", "--calib", CALIB, check=False)
+        r = cli("prune", "cosine", fp, "-o", p, "--remove", 3, "--overwrite", "--calib", CALIB, check=False)
         if r.returncode == 0:
             verify("after pruning 3 layers", p, key, results)
         else:

@@ -49,6 +49,7 @@ from typing import Callable, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from compress.errors import ConfigError, UnsupportedError
+from compress.eval.memory import peak_rss_bytes as peak_rss
 
 LOSSES = ("csd", "fkl", "rkl", "skl", "srkl", "jsd")
 WEIGHTINGS = ("ss", "ts", "us")
@@ -447,18 +448,6 @@ def monitored_name(loss: str, weighting: str) -> str:
     return {"fkl": "KL(p_t‖p_s)", "rkl": "KL(p_s‖p_t)", "skl": "KL(p_t‖αp_t+(1-α)p_s)", "srkl": "KL(p_s‖αp_s+(1-α)p_t)",
             "jsd": "JSD_β(p_t‖p_s)"}[loss]
 
-
-def peak_rss() -> int:
-    """Peak resident memory of this process in bytes (VmHWM)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # --------------------------------------------------------------------------------------------- training

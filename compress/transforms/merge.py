@@ -32,6 +32,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from compress.errors import ConfigError, UnsupportedError
+from compress.eval.memory import peak_rss_bytes as peak_rss
 
 METHODS = ("linear", "slerp", "task_arithmetic", "ties")
 #: tensor names of input embeddings and output heads (rows = vocabulary, padded rows allowed)
@@ -594,18 +595,6 @@ class MergeResult(BaseModel):
     peak_rss_bytes: int
     notes: list[str]
 
-
-def peak_rss() -> int:
-    """Peak resident set size of this process in bytes (VmHWM; ru_maxrss where /proc is absent)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def model_card(method: str, parents: list[str], base: Optional[str], details: dict[str, Any]) -> str:

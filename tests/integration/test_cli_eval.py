@@ -94,7 +94,7 @@ def test_recipe_prune_then_anybcq_on_smollm2(smollm2_bf16, tmp_path):
     calib = SHARED / "data" / "wikitext2_test_calib.txt"
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"steps:\n  - prune: {{method: cosine, remove: 3, text: '{calib}', samples: 2, seq_len: 64}}\n"
-                      "  - anybcq: {bits: [2, 4], group_size: 128, iters: 0}\n")
+                      "  - anybcq: {bits: [2, 4], group_size: 128, iters: 0, method: rtn}\n")
     out = tmp_path / "out"
     r = cli("run", recipe, smollm2_bf16, "-o", out, "--json")
     assert r.exit_code == 0, r.output

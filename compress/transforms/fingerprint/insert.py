@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import resource
 import time
 from pathlib import Path
 from typing import Callable, Literal, Optional
@@ -22,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from compress.errors import ConfigError
 from compress.transforms.fingerprint.key import FingerprintKey, load_key
 from compress.transforms.fingerprint.prompts import TRAIN_META_PROMPTS, read_meta_prompts, training_prompt
+from compress.eval.memory import peak_rss_bytes
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -85,16 +85,6 @@ class InsertResult(BaseModel):
     seconds: float
     peak_rss_bytes: int
 
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (VmHWM), bytes."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def fingerprint_batch(tokenizer, key: FingerprintKey, answers: list[str], order: list[int], rng: random.Random,

@@ -7,7 +7,6 @@ One library entry point, :func:`prune`, takes a :class:`PruneConfig` and returns
 from __future__ import annotations
 
 import os
-import resource
 import tempfile
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Callable, Literal, Optional
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from compress.errors import ConfigError, UnsupportedError
+from compress.eval.memory import peak_rss_bytes
 
 METHODS = ("entropy", "cosine", "gradpruner")
 PROTECT_FIRST, PROTECT_LAST = 2, 1
@@ -123,16 +123,6 @@ class PruneResult(BaseModel):
     peak_rss_bytes: int
     train_losses: list[float] = []
 
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (VmHWM), bytes."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _quantization(ckpt) -> str | None:

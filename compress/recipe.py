@@ -93,6 +93,8 @@ class Recipe(BaseModel):
         _register_builtin()
         if not isinstance(data, dict) or set(data) != {"steps"} or not isinstance(data["steps"], list):
             raise ConfigError("recipe: expected exactly one key 'steps' holding a list")
+        if not data["steps"]:
+            raise ConfigError("recipe: 'steps' is empty; a recipe needs at least one transform")
         steps = []
         for i, raw in enumerate(data["steps"]):
             if not isinstance(raw, dict) or len(raw) != 1:
@@ -117,8 +119,8 @@ class Recipe(BaseModel):
         import yaml
 
         try:
-            data = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as e:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
             raise ConfigError(f"recipe {path}: {e}") from None
         return cls.parse(data)
 

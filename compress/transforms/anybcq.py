@@ -433,7 +433,10 @@ def peak_rss_mb() -> float:
 
 def _matches(name: str, pattern: str) -> bool:
     if pattern.startswith("re:"):
-        return re.search(pattern[3:], name) is not None
+        try:
+            return re.search(pattern[3:], name) is not None
+        except re.error as e:
+            raise ConfigError(f"--ignore {pattern!r}: not a valid regular expression ({e})") from None
     return fnmatch.fnmatchcase(name, pattern)
 
 

@@ -464,6 +464,13 @@ def train_vae(models: list[str], output_dir, vae_cfg: VAEConfig, train: VAETrain
     start = time.perf_counter()
     torch.manual_seed(train.seed)
     ckpts, _ = open_parents(list(dict.fromkeys(models)))
+    resolved = out.resolve()
+    for c in ckpts:  # refuse before training, not after: an output inside (or equal to) a parent
+        src = Path(c.path).resolve()
+        if resolved == src or src in resolved.parents or (overwrite and resolved in src.parents):
+            for c2 in ckpts:
+                c2.close()
+            raise ConfigError(f"output {resolved} is, holds or is inside the parent {c.source}; choose another --output-dir")
     try:
         pool, total = sample_chunks(ckpts, vae_cfg, train.max_chunks, train.seed)            # [N, chunk]
     finally:

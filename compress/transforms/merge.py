@@ -115,6 +115,17 @@ class MergeConfig(BaseModel):
     def _rules(self) -> "MergeConfig":
         m = self.merge_method
         names = [e.model for e in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a model is listed twice ({names}); list each parent once and give it the combined weight")
+        import math
+
+        for where, params in [("parameters", self.parameters)] + [(f"models[{i}]", e.parameters) for i, e in enumerate(self.models)]:
+            for key in ("weight", "t", "density", "lambda_"):
+                v = getattr(params, key, None)
+                if v is not None and not math.isfinite(float(v)):
+                    raise ValueError(f"{where}.{key} is {v}; it must be a finite number")
+        if self.parameters.t is not None and not 0.0 <= float(self.parameters.t) <= 1.0:
+            raise ValueError(f"parameters.t is {self.parameters.t}; slerp's t must be between 0 and 1")
         if m == "slerp":
             if self.parameters.t is None:
                 raise ValueError("slerp needs parameters.t (0 = the base/first model, 1 = the other)")
@@ -181,8 +192,8 @@ def load_merge_config(path: str | Path) -> MergeConfig:
     import yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"merge config {path}: {e}".replace("\n", " ")) from None
     if not isinstance(data, dict):
         raise ConfigError(f"merge config {path}: expected a mapping with merge_method and models")

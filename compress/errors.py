@@ -36,3 +36,24 @@ class VerificationError(CompressError):
     """A decoded tensor or index does not equal the original. Exit code 3."""
 
     exit_code = 3
+
+
+
+def validation_error(e, prefix: str = "", option: bool = False, root: str = "") -> ConfigError:
+    """One-line :class:`ConfigError` from a pydantic ``ValidationError``: ``prefix: field: message``
+    for the first error (pydantic's "Value error, " prefix dropped).
+
+    Args:
+        e: the ``ValidationError``.
+        prefix: what was being validated, e.g. ``"recipe"`` or ``"merge config m.yaml"``.
+        option: name the field as a command-line option (``--group-size``) instead of a dotted path.
+        root: dotted path the field path continues, e.g. ``"steps[0].ecf8"``.
+    """
+    err = e.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    if option:
+        where = "--" + loc[0].replace("_", "-") if loc else ""
+    else:
+        where = ".".join([root] * bool(root) + loc)
+    msg = err["msg"].removeprefix("Value error, ")
+    return ConfigError(": ".join(x for x in (prefix, where, msg) if x))

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from compress.errors import ConfigError
+from compress.errors import ConfigError, validation_error
 from compress.registry import Registry
 
 
@@ -104,9 +104,7 @@ class Recipe(BaseModel):
             try:
                 config = config_cls(**(options or {}))
             except ValidationError as e:
-                err = e.errors()[0]
-                where = ".".join(str(p) for p in err["loc"])
-                raise ConfigError(f"recipe: steps[{i}].{name}.{where}: {err['msg']}") from None
+                raise validation_error(e, "recipe", root=f"steps[{i}].{name}") from None
             steps.append(Step(name=name, config=config))
         for i, step in enumerate(steps[:-1]):
             if TRANSFORMS.get(step.name).lossless:

@@ -20,6 +20,7 @@ class Method(str, Enum):
 
 
 def _parse_bits(text: str) -> tuple[int, ...]:
+
     from compress.errors import ConfigError
 
     try:
@@ -53,7 +54,9 @@ def quantize_anybcq(
 
     def work():
         from compress.checkpoint import Checkpoint
-        from compress.errors import ConfigError
+        from pydantic import ValidationError
+
+        from compress.errors import ConfigError, validation_error
         from compress.eval.text import read_text
         from compress.transforms.anybcq import AnyBCQConfig, quantize_checkpoint
 
@@ -61,9 +64,8 @@ def quantize_anybcq(
             config = AnyBCQConfig(bits=_parse_bits(bits), group_size=group_size, method=method.value,
                                   asymmetric=asymmetric, iters=iters, samples=samples, seq_len=seq_len,
                                   ignore=tuple(ignore or ()), seed=seed)
-        except ValueError as e:
-            err = e.errors()[0]
-            raise ConfigError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
+        except ValidationError as e:
+            raise validation_error(e, option=True) from None
         text = read_text(calib) if calib is not None and config.iters > 0 and config.method == "anybcq" else None
         if calib is None and config.iters > 0 and config.method == "anybcq":
             raise ConfigError("--iters > 0 needs --calib FILE (calibration text); use --iters 0 for the "

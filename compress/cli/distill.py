@@ -76,7 +76,9 @@ def distill(
     """Distill TEACHER into STUDENT (same tokenizer); logs ½Var_p(s-t) for CSD, the divergence otherwise."""
 
     def work():
-        from compress.errors import ConfigError
+        from pydantic import ValidationError
+
+        from compress.errors import validation_error
         from compress.transforms.distill import DistillConfig, distill as distill_
 
         try:
@@ -87,9 +89,8 @@ def distill(
                 lora_rank=lora_rank, train_from_layer=train_from_layer, on_policy=on_policy, on_policy_mode=on_policy_mode.value, seed=seed,
                 max_grad_norm=max_grad_norm, dtype=dtype, state_dir=str(save_state) if save_state else None,
                 save_every=save_every, resume=str(resume) if resume else None, overwrite=overwrite)
-        except ValueError as e:
-            err = e.errors()[0]
-            raise ConfigError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
+        except ValidationError as e:
+            raise validation_error(e, option=True) from None
         show = not (quiet or json_out)
         return distill_(config, log=(lambda s: stderr.print(
             f"step {s.step}: loss {s.loss:.5f} lr {s.lr:.2e} {s.seconds:.1f} s" + (" (on-policy)" if s.on_policy else ""),

@@ -58,13 +58,15 @@ def encode(
 
     def work():
         from compress.checkpoint import Checkpoint
-        from compress.errors import ConfigError
+        from pydantic import ValidationError
+
+        from compress.errors import validation_error
         from compress.transforms.ecf8 import ECF8Config, encode_checkpoint
 
         try:
             config = ECF8Config(slice_size=slice_size)
-        except ValueError as e:
-            raise ConfigError(f"--slice-size: {e.errors()[0]['msg']}") from None
+        except ValidationError as e:
+            raise validation_error(e, option=True) from None
         start = time.perf_counter()
         with Checkpoint.open(model, revision=revision, dtype=dtype) as src:
             total = sum(i.nbytes for i in src.tensors.values())

@@ -15,13 +15,12 @@ KeyArg = typer.Argument(..., help="The owner's key file (from `compress fingerpr
 def _config(cls, **kwargs):
     from pydantic import ValidationError
 
-    from compress.errors import ConfigError
+    from compress.errors import validation_error
 
     try:
         return cls(**kwargs)
     except ValidationError as e:
-        err = e.errors()[0]
-        raise ConfigError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
+        raise validation_error(e, option=True) from None
 
 
 def keygen(

@@ -64,15 +64,15 @@ def _render(r, json_out: bool) -> None:
 
 def _go(model, output_dir, overwrite, dry_run, json_out, quiet, **fields) -> None:
     def work():
-        from compress.errors import ConfigError
+        from pydantic import ValidationError
+
+        from compress.errors import validation_error
         from compress.transforms.prune import PruneConfig, prune
 
         try:
             config = PruneConfig(**fields)
-        except ValueError as e:
-            err = e.errors()[0]
-            where = ".".join(str(p) for p in err["loc"])
-            raise ConfigError(f"{'--' + where.replace('_', '-') + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}") from None
+        except ValidationError as e:
+            raise validation_error(e, option=True) from None
         return prune(model, output_dir, config, overwrite=overwrite, dry_run=dry_run)
 
     _render(run(work, json_out), json_out)

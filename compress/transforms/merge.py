@@ -177,10 +177,9 @@ class MergeConfig(BaseModel):
 
 def config_error(e: ValidationError, where: str = "merge config") -> ConfigError:
     """One-line ConfigError with the field path of the first pydantic error."""
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-    msg = err["msg"].removeprefix("Value error, ")
-    return ConfigError(f"{where}: {loc}: {msg}")
+    from compress.errors import validation_error
+
+    return validation_error(e, where)
 
 
 def load_merge_config(path: str | Path) -> MergeConfig:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent.parent / "shared" if (ROOT.parent.parent / "shared").exists() else Path("/work/shared")
+SHARED = ROOT.parent / "shared"  # the data beside the repository
 OUT = ROOT / "bench" / "out"
 EVAL = SHARED / "data" / "wikitext2_test_eval.txt"
 CALIB = SHARED / "data" / "wikitext2_test_calib.txt"

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = next((p / "shared" for p in ROOT.parents if (p / "shared" / "data").is_dir()), ROOT.parent / "shared")
+SHARED = ROOT.parent / "shared"  # the data beside the repository
 CALIB = SHARED / "data" / "wikitext2_test_calib.txt"
 EVAL = SHARED / "data" / "wikitext2_test_eval.txt"
 OUT = ROOT / "bench" / "out"

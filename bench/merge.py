@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent.parent / "shared" if (ROOT.parent.parent / "shared").exists() else Path("/work/shared")
+SHARED = ROOT.parent / "shared"  # the data beside the repository
 CALIB = SHARED / "data" / "wikitext2_test_calib.txt"
 EVAL = SHARED / "data" / "wikitext2_test_eval.txt"
 DROP = list(range(20, 26))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out" / "prune"
-SHARED = ROOT.parent.parent / "shared" / "data" if (ROOT.parent.parent / "shared").exists() else Path("/work/shared/data")
+SHARED = ROOT.parent / "shared" / "data"  # the data beside the repository
 CALIB = SHARED / "wikitext2_test_calib.txt"
 EVAL = SHARED / "wikitext2_test_eval.txt"
 METHODS = ["entropy-knn", "entropy-bucket", "cosine", "gradpruner"]

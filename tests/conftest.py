@@ -58,3 +58,29 @@ def smollm2_gguf() -> Path:
 def smollm2_bf16(smollm2_gguf, tmp_path_factory) -> Path:
     """SmolLM2 dequantized to bf16 and saved as a HF checkpoint (once per session)."""
     return _convert(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "bf16", "BF16")
+
+
+DATA = SHARED / "data"
+CALIB = DATA / "wikitext2_test_calib.txt"  # calibration, fine-tuning and benign text
+EVAL = DATA / "wikitext2_test_eval.txt"  # evaluation only
+
+
+def cli(*args):
+    """Run the ``compress`` CLI in-process (typer's CliRunner); arguments are str()-ed."""
+    from typer.testing import CliRunner
+
+    from compress.cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def tree_hash(path: Path) -> str:
+    """sha256 over every file's relative path and bytes (each length-prefixed): equal hashes mean an unchanged folder."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            for part in (str(p.relative_to(path)).encode(), p.read_bytes()):
+                h.update(len(part).to_bytes(8, "little") + part)
+    return h.hexdigest()

@@ -12,12 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import CALIB, EVAL
+
 pytestmark = pytest.mark.integration
-# ../shared beside the repository (as tests/conftest.py), or /work/shared when run from a worktree
-SHARED = next((p for p in (Path(__file__).resolve().parents[3] / "shared", Path("/work/shared")) if p.exists()),
-              Path(__file__).resolve().parents[3] / "shared")
-CALIB = SHARED / "data" / "wikitext2_test_calib.txt"
-EVAL = SHARED / "data" / "wikitext2_test_eval.txt"
 LATER_BLOCKS = r"re:model\.layers\.([2-9]|[12][0-9])\."  # quantize blocks 0-1 only
 
 

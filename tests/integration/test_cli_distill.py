@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import CALIB
+
 pytestmark = pytest.mark.integration
 
 _REPO = Path(__file__).resolve().parents[2]
-SHARED = next((p for p in (_REPO.parent / "shared", _REPO.parent.parent / "shared") if p.is_dir()), _REPO.parent / "shared")
-DATA = SHARED / "data" / "wikitext2_test_calib.txt"
+DATA = CALIB
 
 
 def cli(*args: str):

@@ -1,6 +1,5 @@
 """The CLI end to end on real checkpoints: encode, verify, decode, inspect, load, bad input."""
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -10,25 +9,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from compress.checkpoint import Checkpoint
-from compress.cli.main import app
+from conftest import cli, tree_hash
 
 pytestmark = pytest.mark.integration
-runner = CliRunner()
-
-
-def cli(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def tree_hash(path):
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(path)).encode() + p.read_bytes())
-    return h.hexdigest()
 
 
 def assert_same_tensors(a, b):

@@ -3,19 +3,11 @@
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from compress.cli.main import app
-from conftest import SHARED
+from conftest import EVAL, SHARED, cli
 
 pytestmark = pytest.mark.integration
-runner = CliRunner()
-EVAL = SHARED / "data" / "wikitext2_test_eval.txt"
 WINDOWS = ["--text", EVAL, "--tokens", 1024, "--seq-len", 256]  # 4 windows, 1020 scored tokens
-
-
-def cli(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")

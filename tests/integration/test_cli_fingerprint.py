@@ -1,34 +1,15 @@
 """``compress fingerprint`` end to end: keygen, insert into a tiny real-tokenizer model, verify a checkpoint
 and an OpenAI-compatible endpoint on loopback, the original SmolLM2 (no fingerprint), bad inputs."""
 
-import hashlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from compress.cli.main import app
+from conftest import CALIB, cli, tree_hash
 
 pytestmark = pytest.mark.integration
-runner = CliRunner()
-SHARED = next((p / "shared" for p in Path(__file__).resolve().parents if (p / "shared" / "data").is_dir()),
-              Path(__file__).resolve().parents[3] / "shared")  # beside the repository (main or a worktree)
-CALIB = SHARED / "data" / "wikitext2_test_calib.txt"
-
-
-def cli(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def tree_hash(path):
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(path)).encode() + p.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from compress.checkpoint import Checkpoint, CheckpointWriter
-from compress.cli.main import app
 from compress.transforms import merge as mg
+from conftest import cli
 
 pytestmark = pytest.mark.integration
-runner = CliRunner()
 PROBE = ["model.embed_tokens.weight", "model.layers.3.mlp.down_proj.weight", "model.layers.7.input_layernorm.weight"]
 
 
@@ -26,10 +24,6 @@ def shared_data() -> Path:
         if (parent / "shared" / "data").is_dir():
             return parent / "shared" / "data"
     pytest.skip("no shared/data folder with the evaluation text")
-
-
-def cli(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def tensors(path, names):

@@ -1,38 +1,16 @@
 """``compress prune`` end to end on the real SmolLM2-135M (30 layers): entropy and GradPruner
 outputs load with plain transformers and keep a measured perplexity; dry runs; bad input."""
 
-import hashlib
 import json
 import subprocess
 import sys
 
-from pathlib import Path
-
 import pytest
-from typer.testing import CliRunner
 
-from compress.cli.main import app
-from tests.conftest import SHARED
+from conftest import CALIB, EVAL, cli, tree_hash
+
 
 pytestmark = pytest.mark.integration
-runner = CliRunner()
-# SHARED is ../shared of the main checkout; from a worktree deeper down, look further up.
-DATA = next((p / "shared" / "data" for p in [SHARED.parent, *Path(__file__).resolve().parents]
-             if (p / "shared" / "data").is_dir()), SHARED / "data")
-CALIB = DATA / "wikitext2_test_calib.txt"
-EVAL = DATA / "wikitext2_test_eval.txt"
-
-
-def cli(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def tree_hash(path):
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(path)).encode() + p.read_bytes())
-    return h.hexdigest()
 
 
 PLAIN = r"""

@@ -3,16 +3,10 @@
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from compress.cli.main import app
+from conftest import cli
 
 pytestmark = pytest.mark.integration
-runner = CliRunner()
-
-
-def cli(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture()

@@ -6,17 +6,11 @@ import shutil
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 from compress.checkpoint import Checkpoint, CheckpointWriter
-from compress.cli.main import app
+from conftest import cli
 
 pytestmark = pytest.mark.integration
-runner = CliRunner()
-
-
-def cli(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def tiny(path, config_text='{"model_type": "toy",\r\n    "quantization_config": null}\r\n', metadata=None, extra=None):

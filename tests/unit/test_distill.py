@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +13,7 @@ from compress.errors import ConfigError
 from compress.transforms.distill import (DistillConfig, TeacherCache, check_tokenizers, distill, distill_loss, drop_layers,
                                          shared_vocab)
 
-# conftest.SHARED is <repo>/../shared; a worktree one level deeper finds it one folder further up
-_REPO = Path(__file__).resolve().parents[2]
-SHARED = next((p for p in (_REPO.parent / "shared", _REPO.parent.parent / "shared") if p.is_dir()), _REPO.parent / "shared")
-DATA = SHARED / "data" / "wikitext2_test_calib.txt"
+from conftest import CALIB as DATA
 
 
 # ------------------------------------------------------------------------------------------- losses

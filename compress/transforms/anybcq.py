@@ -27,7 +27,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -422,13 +421,9 @@ class AnyBCQReport(BaseModel):
 
 def peak_rss_mb() -> float:
     """Peak resident set size of this process so far, MiB (VmHWM)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    from compress.eval.memory import peak_rss_bytes
+
+    return peak_rss_bytes() / 2**20
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -503,16 +498,13 @@ def plan_modules(model, names: set[str], ignore: tuple[str, ...]) -> _Plan:
 
 
 def _read_float(src, name: str):
+    """Tensor ``name`` of the checkpoint as float32 (the stored float dtype upcast exactly)."""
     import torch
 
-    from compress.checkpoint import torch_dtype
-
-    dtype, arr = src.read_array(name)
-    if dtype not in ("F32", "F16", "BF16", "F64"):
-        raise UnsupportedError(f"{name}: dtype {dtype} cannot be quantized (expected a float weight)")
-    from compress.checkpoint import _np_signed
-
-    return torch.from_numpy(arr.view(_np_signed(dtype)).copy()).view(torch_dtype(dtype)).to(torch.float32)
+    if src.info(name).dtype not in ("F32", "F16", "BF16", "F64"):
+        raise UnsupportedError(f"{name}: dtype {src.info(name).dtype} cannot be quantized (expected a float weight)")
+    t = src.get(name)
+    return t.clone() if t.dtype == torch.float32 else t.to(torch.float32)  # never a view of the read buffer
 
 
 def _raw(src, name: str):
@@ -755,7 +747,7 @@ def _reconstruct(source, model, hf_cfg, plan: _Plan, config: AnyBCQConfig, calib
                 opt.step()
             with torch.no_grad():
                 after = float(torch.nn.functional.mse_loss(_run_block(block, x_q[p][check], pos), y_fp[check]))
-                if after > before:  # training made it worse on the held-out check windows: keep the weight fit
+                if after > before:  # training made it worse on the check windows (also training windows): keep the weight fit
                     for tr in trainables.values():
                         tr.delta.zero_()
                     if local[next(iter(mods))].beta is not None:

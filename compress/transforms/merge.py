@@ -117,8 +117,6 @@ class MergeConfig(BaseModel):
         names = [e.model for e in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"a model is listed twice ({names}); list each parent once and give it the combined weight")
-        import math
-
         for where, params in [("parameters", self.parameters)] + [(f"models[{i}]", e.parameters) for i, e in enumerate(self.models)]:
             for key in ("weight", "t", "density", "lambda_"):
                 v = getattr(params, key, None)
@@ -537,9 +535,7 @@ def plan_merge(config: MergeConfig) -> MergePlan:
     out_dtype = dtype_name(config.dtype) if config.dtype else None
     if out_dtype is not None and out_dtype not in ("F32", "F16", "BF16"):
         raise ConfigError(f"dtype {config.dtype}: a merge is written in float32, float16 or bfloat16")
-    sources = [e.model for e in config.parents()]
-    if len(set(sources)) != len(sources):
-        raise ConfigError(f"a parent is listed twice: {sources}")
+    sources = [e.model for e in config.parents()]  # distinct: MergeConfig refuses a model listed twice
     ckpts, notes = open_parents(sources)
     try:
         ref_ckpt = ckpts[0]

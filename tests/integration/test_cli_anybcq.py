@@ -44,8 +44,9 @@ def test_quantize_report_and_format(quantized, smollm2_bf16):
     # bytes per weight: p/8 of planes + 2 bytes per scale per group, +11% padding of 576 -> 640 columns
     bpw = [p["bytes_per_weight"] for p in rep["precisions"]]
     assert [round(x, 4) for x in bpw] == [0.3047, 0.457, 0.6094]
-    for p in rep["precisions"]:  # reconstruction never leaves a block worse than the weight fit
-        assert p["block_mse_after"] <= p["block_mse_before"]
+    # the guard keeps the weight fit where training did not help, so "after <= before" holds by construction;
+    # what can fail is that training helped nowhere
+    assert any(p["block_mse_after"] < p["block_mse_before"] for p in rep["precisions"]), rep["precisions"]
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "anybcq" and qcfg["num_planes"] == 4 and len(qcfg["modules"]) == 14
     assert (smollm2_bf16 / "config.json").exists() and "quantization_config" not in (smollm2_bf16 / "config.json").read_text()

@@ -76,7 +76,7 @@ def test_bad_inputs(smollm2_bf16, dropped_student, tmp_path):
     r = cli("distill", *base, "-o", str(tmp_path / "exists"), "--data", str(DATA), "--json")
     assert r.returncode == 2 and "already exists" in json.loads(r.stdout)["error"]
     # unknown loss, out-of-range fraction, bad skew
-    for extra, needle in ((["--loss", "kl"], "kl"), (["--on-policy", "1.5"], "--on-policy"), (["--skew-alpha", "1"], "skew-alpha")):
+    for extra, needle in ((["--loss", "kl"], "--loss"), (["--on-policy", "1.5"], "--on-policy"), (["--skew-alpha", "1"], "skew-alpha")):
         r = cli("distill", *base, "-o", str(tmp_path / "b"), "--data", str(DATA), *extra)
         assert r.returncode == 2 and needle in r.stderr, r.stderr
         assert "Traceback" not in r.stderr

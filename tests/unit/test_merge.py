@@ -249,6 +249,7 @@ def test_alignments_and_projection():
     assert ls.project(w, (6, 4)) is w
     p = ls.project(w, (11, 7))
     assert p.shape == (11, 7)
-    torch.testing.assert_close(p[0, 0], w[0, 0]) and torch.testing.assert_close(p[-1, -1], w[-1, -1])
+    torch.testing.assert_close(p[0, 0], w[0, 0])
+    torch.testing.assert_close(p[-1, -1], w[-1, -1])
     assert ls.split_layer("model.layers.12.mlp.up_proj.weight") == ("model.layers.", 12, ".mlp.up_proj.weight")
     assert ls.split_layer("model.embed_tokens.weight") is None
